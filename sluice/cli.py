@@ -1,0 +1,128 @@
+"""Command line: `sluice serve`, `sluice models export-hf`, `sluice bench ...`."""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Optional
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="HF folder or .gguf file (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    kv = p.add_mutually_exclusive_group()
+    kv.add_argument("--kv-cache-tokens", type=int, default=None)
+    kv.add_argument("--kv-cache-gib", type=float, default=None)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--scheduling-policy", default="workflow", choices=["fcfs", "workflow"])
+    p.add_argument("--max-waiting-requests", type=int, default=None)
+    p.add_argument("--max-waiting-tokens", type=int, default=None)
+    p.add_argument("--retention-ttl", type=float, default=10.0, help="seconds a finished workflow call's KV stays pinned")
+    p.add_argument("--attention-backend", default="auto")
+    p.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads (default: all cores)")
+
+
+def add_server_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--api-key", default=os.environ.get("SLUICE_API_KEY"))
+    p.add_argument("--metrics-require-auth", action="store_true")
+    p.add_argument("--max-request-bytes", type=int, default=8 << 20)
+    p.add_argument("--shutdown-timeout", type=float, default=30.0)
+
+
+def build_engine_config(args: argparse.Namespace):
+    from sluice.config import CacheConfig, EngineConfig, SchedulerConfig, parse_dtype
+    from sluice.model.loader import load_model_config, resolve_model_path
+
+    model_path = resolve_model_path(args.model)
+    model_cfg = load_model_config(model_path)
+    max_len = args.max_model_len or model_cfg.max_position_embeddings
+    return EngineConfig(
+        model_path=str(model_path),
+        model=model_cfg,
+        cache=CacheConfig(
+            block_size=args.block_size,
+            kv_cache_tokens=args.kv_cache_tokens,
+            kv_cache_gib=args.kv_cache_gib,
+            enable_prefix_caching=not args.no_prefix_caching,
+        ),
+        scheduler=SchedulerConfig(
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_model_len=max_len,
+            policy=args.scheduling_policy,
+            max_waiting_requests=args.max_waiting_requests,
+            max_waiting_tokens=args.max_waiting_tokens,
+            retention_ttl_s=args.retention_ttl,
+        ),
+        dtype=parse_dtype(args.dtype),
+        seed=args.seed,
+        attention_backend=args.attention_backend,
+        num_threads=args.num_threads,
+    )
+
+
+def build_server_config(args: argparse.Namespace):
+    from sluice.config import ServerConfig
+
+    return ServerConfig(
+        host=args.host,
+        port=args.port,
+        served_model_name=args.served_model_name,
+        api_key=args.api_key,
+        metrics_require_auth=args.metrics_require_auth,
+        max_request_bytes=args.max_request_bytes,
+        shutdown_timeout_s=args.shutdown_timeout,
+    )
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "bench":
+        from sluice.bench.cli import main as bench_main
+
+        return bench_main(argv[1:]) or 0
+
+    parser = argparse.ArgumentParser(prog="sluice")
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="serve a model with an OpenAI-compatible API")
+    add_engine_args(serve)
+    add_server_args(serve)
+    sub.add_parser("bench", help="workflow benchmarks (see `sluice bench --help`)")
+    models = sub.add_parser("models", help="model utilities")
+    msub = models.add_subparsers(dest="models_command", required=True)
+    exp = msub.add_parser("export-hf", help="write an HF folder (safetensors) from a GGUF file")
+    exp.add_argument("gguf")
+    exp.add_argument("out_dir")
+    exp.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
+    msub.add_parser("fetch-default", help="download and extract the default model; print its path")
+    args = parser.parse_args(argv)
+
+    if args.command == "serve":
+        from sluice.server.api_server import run_server
+
+        return run_server(build_engine_config(args), build_server_config(args)) or 0
+    if args.command == "models":
+        if args.models_command == "export-hf":
+            from sluice.model.gguf_loader import export_hf
+
+            export_hf(args.gguf, args.out_dir, dtype=args.dtype)
+            print(args.out_dir)
+            return 0
+        if args.models_command == "fetch-default":
+            from sluice.model.default import ensure_default_model
+
+            print(ensure_default_model())
+            return 0
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,121 @@
+"""Frozen configuration shared by the engine, the model runner and the server.
+
+The CLI builds these once; nothing deeper in the engine reads environment variables.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Architecture of a decoder-only transformer, read from config.json or GGUF metadata."""
+
+    architecture: str                 # e.g. "LlamaForCausalLM"
+    model_type: str                   # e.g. "llama"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    rope_scaling: Optional[dict] = None
+    bos_token_id: Optional[int] = None
+    eos_token_ids: tuple[int, ...] = ()
+    # Everything else config.json carried, for architectures that need more fields.
+    extra: dict = field(default_factory=dict, compare=False, hash=False)
+
+    def __post_init__(self) -> None:
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
+
+    @property
+    def num_queries_per_kv(self) -> int:
+        return self.num_attention_heads // self.num_key_value_heads
+
+
+_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    try:
+        return _DTYPES[name]
+    except KeyError:
+        raise ValueError(f"unsupported dtype {name!r}; choose one of {sorted(_DTYPES)}") from None
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16              # tokens per KV block
+    num_blocks: int = 0               # 0: derive from kv_cache_tokens / kv_cache_gib
+    kv_cache_tokens: Optional[int] = None
+    kv_cache_gib: Optional[float] = None
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+            raise ValueError("block_size must be a positive power of two")
+        if self.kv_cache_tokens is not None and self.kv_cache_gib is not None:
+            raise ValueError("give at most one of kv_cache_tokens and kv_cache_gib")
+
+    def resolve_num_blocks(self, bytes_per_token: int) -> int:
+        """Number of KV blocks given the per-token KV footprint of the model (all layers)."""
+        if self.num_blocks:
+            return self.num_blocks
+        if self.kv_cache_tokens is not None:
+            return max(1, -(-self.kv_cache_tokens // self.block_size))
+        gib = self.kv_cache_gib if self.kv_cache_gib is not None else 1.0
+        return max(1, int(gib * (1 << 30)) // (bytes_per_token * self.block_size))
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64                 # most requests in one step
+    max_num_batched_tokens: int = 512      # token budget of one step (decodes + prefill chunks)
+    max_model_len: int = 8192              # prompt + output tokens of one request
+    policy: str = "workflow"               # name in the scheduling-policy registry
+    max_waiting_requests: Optional[int] = None   # admission bound (None: unbounded)
+    max_waiting_tokens: Optional[int] = None     # admission bound on queued prompt tokens
+    retention_ttl_s: float = 10.0          # KV retention of a finished workflow call
+    aging_s: float = 5.0                   # waiting time that promotes a request by one level
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs <= 0 or self.max_num_batched_tokens <= 0 or self.max_model_len <= 0:
+            raise ValueError("scheduler limits must be positive")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model_path: str
+    model: ModelConfig
+    cache: CacheConfig
+    scheduler: SchedulerConfig
+    dtype: torch.dtype = torch.bfloat16
+    seed: int = 0
+    attention_backend: str = "auto"
+    num_threads: Optional[int] = None
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    served_model_name: Optional[str] = None
+    api_key: Optional[str] = None
+    metrics_require_auth: bool = False
+    max_request_bytes: int = 8 << 20
+    max_n: int = 16                       # bound on `n`
+    max_stop_strings: int = 16
+    max_logprobs: int = 20
+    shutdown_timeout_s: float = 30.0
+    log_requests: bool = False

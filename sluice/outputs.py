@@ -1,0 +1,41 @@
+"""What the engine hands back to its callers (offline API and server)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+
+@dataclass
+class Logprob:
+    token_id: int
+    logprob: float
+    rank: int = 0                      # 1-based rank in the distribution; 0 if unknown
+
+
+@dataclass
+class CompletionOutput:
+    index: int                         # which of the request's n samples
+    text: str                          # full text so far (stop strings removed)
+    token_ids: list[int]               # all output token ids so far
+    cumulative_logprob: Optional[float] = None
+    # One entry per output token: the sampled token's logprob plus the top ones.
+    logprobs: Optional[list[dict[int, Logprob]]] = None
+    finish_reason: Optional[str] = None  # "stop", "length", "abort", "error" or None while running
+    stop_reason: Optional[int | str] = None
+    text_delta: str = ""               # text added since the previous output of this sample
+    num_new_tokens: int = 0            # token ids added since the previous output of this sample
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int = 0         # prompt tokens served from the prefix cache
+    error: Optional[str] = None        # set when finish_reason is "error"
+    metrics: dict = field(default_factory=dict)  # arrival/first-token/finish times (monotonic s)
