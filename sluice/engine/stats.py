@@ -1,0 +1,27 @@
+"""A snapshot of the engine's state, read by /metrics and /load."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    num_running: int            # requests scheduled in the current batch
+    num_waiting: int            # accepted requests not yet running (including preempted)
+    num_waiting_tokens: int     # prompt tokens of waiting requests still to compute
+    kv_blocks_total: int
+    kv_blocks_used: int         # referenced by running or waiting requests
+    kv_blocks_retained: int     # pinned for a workflow's next call (TTL not expired)
+    kv_blocks_evictable: int    # cached, unreferenced, reclaimable
+    kv_blocks_free: int         # empty
+    prefix_cache_queries: int   # prompt tokens looked up in the prefix cache (cumulative)
+    prefix_cache_hits: int      # of which served from the cache (cumulative)
+    num_preemptions: int        # cumulative
+    prompt_tokens_total: int    # computed prompt tokens (cumulative)
+    generation_tokens_total: int
+    num_workflows: int          # workflows with state in the engine
+    accepting: bool             # whether new work is welcome (admission control)
+
+    @property
+    def kv_usage(self) -> float:
+        return self.kv_blocks_used / max(1, self.kv_blocks_total)
