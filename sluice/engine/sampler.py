@@ -1,0 +1,220 @@
+"""Turns one step's logits into sampled tokens (and logprobs), vectorised over the batch.
+
+Order of operations, as in vLLM's sampler:
+1. logprobs, when any row asks, from the raw model distribution `log_softmax(logits)`
+   (vLLM 0.x's default): penalties, suppression, temperature and truncation do not change them.
+   The rank is the 1-based rank of the sampled token in that distribution.
+2. penalties: repetition penalty over prompt + output tokens (HF/vLLM: a positive logit is
+   divided by it, a negative one multiplied), then OpenAI's frequency and presence penalties over
+   output tokens: `logit -= frequency_penalty * count + presence_penalty * (count > 0)`.
+3. suppression of `suppress_token_ids` (logit -inf).
+4. greedy rows take the argmax of the result; the other rows go through temperature, top-k,
+   top-p and min-p, then sample with an exponential race `argmax(probs / q)`, q ~ Exp(1).
+
+A row with a generator draws its q from that generator alone, on a [V] tensor of its own, so its
+tokens depend only on its generator's state, its params and its logits, never on the rest of the
+batch. Rows without one share the device's default generator.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+from sluice.outputs import Logprob
+from sluice.sampling_params import SamplingParams
+
+
+@dataclass
+class SamplingRow:
+    """One sequence that samples a token this step, built by the engine."""
+
+    params: SamplingParams
+    prompt_token_ids: Sequence[int]
+    output_token_ids: Sequence[int]           # tokens generated so far by this sequence
+    generator: Optional[torch.Generator]      # seeded from params.seed, on the logits' device; or None
+    suppress_token_ids: Sequence[int] = ()    # ids not to sample now (EOS/stop ids before min_tokens)
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: torch.Tensor                   # [B] int64, on the logits' device
+    # Per row: {token_id: Logprob} with the sampled token first, then the top `params.logprobs`
+    # tokens of the raw distribution; None for rows that did not ask (the list is None if none did).
+    logprobs: Optional[list[Optional[dict[int, Logprob]]]] = None
+
+
+class Sampler:
+    def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
+        """Sample one token per row from `logits` [B, V] (any float dtype; left unmodified)."""
+        assert logits.dim() == 2 and logits.shape[0] == len(rows), (logits.shape, len(rows))
+        if all(_is_plain_greedy(r) for r in rows):
+            return SamplerOutput(token_ids=logits.argmax(dim=-1))
+
+        logits = logits.to(torch.float32, copy=True)  # [B, V]
+        want_logprobs = any(r.params.logprobs is not None for r in rows)
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None  # [B, V]
+        apply_penalties(logits, rows)
+        apply_suppression(logits, rows)
+
+        device = logits.device
+        token_ids = torch.empty(len(rows), dtype=torch.long, device=device)  # [B]
+        greedy = [i for i, r in enumerate(rows) if r.params.greedy]
+        random = [i for i, r in enumerate(rows) if not r.params.greedy]
+        if greedy:
+            idx = torch.tensor(greedy, device=device)
+            token_ids[idx] = logits[idx].argmax(dim=-1)
+        if random:
+            idx = torch.tensor(random, device=device)
+            token_ids[idx] = _sample(logits[idx], [rows[i] for i in random])
+
+        logprobs = _gather_logprobs(raw_logprobs, token_ids, rows) if raw_logprobs is not None else None
+        return SamplerOutput(token_ids=token_ids, logprobs=logprobs)
+
+
+def _has_penalties(p: SamplingParams) -> bool:
+    return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+
+
+def _is_plain_greedy(row: SamplingRow) -> bool:
+    p = row.params
+    return p.greedy and p.logprobs is None and not row.suppress_token_ids and not _has_penalties(p)
+
+
+def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
+    """Repetition, then frequency and presence penalties, in place on float32 logits [B, V].
+
+    Token counts come from one scatter-add over the concatenated id lists of the rows that use
+    the penalty; the other rows contribute no ids, so the work scales with the rows that ask.
+    """
+    batch, vocab = logits.shape
+    device = logits.device
+    if any(r.params.repetition_penalty != 1.0 for r in rows):
+        ids = [
+            (*r.prompt_token_ids, *r.output_token_ids) if r.params.repetition_penalty != 1.0 else ()
+            for r in rows
+        ]
+        seen = token_counts(ids, batch, vocab, device) > 0  # [B, V]
+        penalty = torch.tensor(
+            [r.params.repetition_penalty for r in rows], dtype=torch.float32, device=device
+        ).unsqueeze(1)  # [B, 1]
+        penalised = torch.where(logits > 0, logits / penalty, logits * penalty)  # [B, V]
+        logits.copy_(torch.where(seen, penalised, logits))
+    if any(r.params.presence_penalty != 0.0 or r.params.frequency_penalty != 0.0 for r in rows):
+        ids = [
+            r.output_token_ids
+            if r.params.presence_penalty != 0.0 or r.params.frequency_penalty != 0.0
+            else ()
+            for r in rows
+        ]
+        counts = token_counts(ids, batch, vocab, device)  # [B, V]
+        freq = torch.tensor([r.params.frequency_penalty for r in rows], dtype=torch.float32, device=device)
+        pres = torch.tensor([r.params.presence_penalty for r in rows], dtype=torch.float32, device=device)
+        logits -= freq.unsqueeze(1) * counts + pres.unsqueeze(1) * (counts > 0)
+
+
+def apply_suppression(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
+    """Set each row's `suppress_token_ids` to -inf in logits [B, V]; ids >= V are ignored."""
+    vocab = logits.shape[1]
+    pairs = [(i, t) for i, r in enumerate(rows) for t in r.suppress_token_ids if 0 <= t < vocab]
+    if not pairs:
+        return
+    index = torch.tensor(pairs, dtype=torch.long, device=logits.device)  # [N, 2]
+    logits[index[:, 0], index[:, 1]] = float("-inf")
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> None:
+    """Mask logits [R, V] in place outside each row's top-k (k = V: off) and top-p (p = 1: off).
+
+    Top-k keeps every token tied with the k-th largest logit. Top-p then keeps the smallest set
+    of most likely remaining tokens whose probability reaches p, and always the most likely one.
+    """
+    vocab = logits.shape[1]
+    sorted_logits, order = logits.sort(dim=-1)  # ascending, [R, V]
+    kth_largest = sorted_logits.gather(1, (vocab - top_k).unsqueeze(1))  # [R, 1]
+    sorted_logits.masked_fill_(sorted_logits < kth_largest, float("-inf"))
+    cum_probs = sorted_logits.softmax(dim=-1).cumsum(dim=-1)  # [R, V]
+    drop = cum_probs <= (1.0 - top_p).unsqueeze(1)  # [R, V]
+    drop[:, -1] = False
+    sorted_logits.masked_fill_(drop, float("-inf"))
+    logits.scatter_(1, order, sorted_logits)
+
+
+def apply_min_p(probs: torch.Tensor, min_p: torch.Tensor) -> None:
+    """Zero probs [R, V] below min_p [R] times the row's largest probability, in place."""
+    threshold = min_p.unsqueeze(1) * probs.amax(dim=-1, keepdim=True)  # [R, 1]
+    probs.masked_fill_(probs < threshold, 0.0)
+
+
+def token_counts(
+    token_lists: Sequence[Sequence[int]], batch: int, vocab: int, device: torch.device
+) -> torch.Tensor:
+    """How often each token id occurs in each row's list: [B, V] float32, via one scatter-add."""
+    counts = torch.zeros(batch, vocab, dtype=torch.float32, device=device)
+    lengths = [len(t) for t in token_lists]
+    if sum(lengths) == 0:
+        return counts
+    flat = torch.tensor([t for ts in token_lists for t in ts], dtype=torch.long, device=device)  # [N]
+    row_of = torch.repeat_interleave(
+        torch.arange(batch, device=device), torch.tensor(lengths, device=device)
+    )  # [N]
+    counts.index_put_((row_of, flat), torch.ones_like(flat, dtype=torch.float32), accumulate=True)
+    return counts
+
+
+def _sample(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Temperature, top-k, top-p, min-p, then the exponential race; logits [R, V] -> [R]."""
+    num_rows, vocab = logits.shape
+    device = logits.device
+    temperature = torch.tensor([r.params.temperature for r in rows], dtype=torch.float32, device=device)
+    logits.div_(temperature.unsqueeze(1))
+
+    top_k = [r.params.top_k if 0 < r.params.top_k < vocab else vocab for r in rows]
+    top_p = [r.params.top_p for r in rows]
+    if any(k < vocab for k in top_k) or any(p < 1.0 for p in top_p):
+        apply_top_k_top_p(
+            logits,
+            torch.tensor(top_k, dtype=torch.long, device=device),
+            torch.tensor(top_p, dtype=torch.float32, device=device),
+        )
+    probs = logits.softmax(dim=-1)  # [R, V]
+    if any(r.params.min_p > 0.0 for r in rows):
+        apply_min_p(probs, torch.tensor([r.params.min_p for r in rows], dtype=torch.float32, device=device))
+
+    q = torch.empty_like(probs)  # [R, V]
+    seeded = [i for i, r in enumerate(rows) if r.generator is not None]
+    if len(seeded) < num_rows:
+        q.exponential_()
+    for i in seeded:
+        q[i].exponential_(generator=rows[i].generator)
+    # exponential_ may return exactly 0; a tiny floor keeps masked tokens at 0 / q = 0, not NaN.
+    q.clamp_(min=torch.finfo(q.dtype).tiny)
+    return (probs / q).argmax(dim=-1)
+
+
+def _gather_logprobs(
+    logprobs: torch.Tensor, token_ids: torch.Tensor, rows: Sequence[SamplingRow]
+) -> list[Optional[dict[int, Logprob]]]:
+    """Sampled token's logprob and 1-based rank, plus the top `params.logprobs`, per asking row."""
+    wanted = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+    idx = torch.tensor(wanted, device=logprobs.device)
+    lp = logprobs[idx]  # [W, V]
+    chosen = token_ids[idx].unsqueeze(1)  # [W, 1]
+    chosen_lp = lp.gather(1, chosen)  # [W, 1]
+    chosen_rank = (lp > chosen_lp).sum(dim=-1) + 1  # [W]
+    k = max(rows[i].params.logprobs or 0 for i in wanted)
+    top_lp, top_ids = lp.topk(k, dim=-1)  # [W, k]
+
+    chosen_l = chosen.squeeze(1).tolist()
+    chosen_lp_l = chosen_lp.squeeze(1).tolist()
+    rank_l = chosen_rank.tolist()
+    top_ids_l, top_lp_l = top_ids.tolist(), top_lp.tolist()
+    out: list[Optional[dict[int, Logprob]]] = [None] * len(rows)
+    for w, i in enumerate(wanted):
+        entry = {chosen_l[w]: Logprob(chosen_l[w], chosen_lp_l[w], rank_l[w])}
+        num_top = rows[i].params.logprobs or 0
+        for rank, (tid, value) in enumerate(zip(top_ids_l[w][:num_top], top_lp_l[w][:num_top]), start=1):
+            entry.setdefault(tid, Logprob(tid, value, rank))
+        out[i] = entry
+    return out
