@@ -1,0 +1,228 @@
+"""The synchronous engine: add requests, then `step()` until they finish.
+
+`step()` reads top to bottom as the request's path: schedule, run the model, update the
+scheduler with the sampled tokens, turn tokens into text and outputs.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+
+from sluice.attention import create_backend
+from sluice.config import EngineConfig
+from sluice.engine.detokenizer import IncrementalDetokenizer
+from sluice.engine.errors import RequestRejected
+from sluice.engine.model_runner import ModelRunner, kv_bytes_per_token
+from sluice.engine.request import Request, RequestStatus
+from sluice.engine.scheduler import Scheduler
+from sluice.engine.stats import EngineStats
+from sluice.model.loader import load_model, load_tokenizer
+from sluice.outputs import CompletionOutput, Logprob, RequestOutput
+from sluice.sampling_params import SamplingParams
+from sluice.tokenizer import Tokenizer
+
+logger = logging.getLogger("sluice.engine")
+
+
+@dataclass
+class WorkflowInfo:
+    workflow_id: Optional[str] = None   # None: the call is its own workflow
+    is_last_step: bool = False          # the client says the workflow ends with this call
+
+
+@dataclass
+class _Sample:
+    """One of a request's n sequences, with its text state and what was not yet reported."""
+
+    req: Request
+    detok: IncrementalDetokenizer
+    logprobs: Optional[list[dict[int, Logprob]]]
+    cumulative_logprob: Optional[float]
+    delta_text: str = ""
+    delta_tokens: int = 0
+    finish_reason: Optional[str] = None
+    stop_reason: Optional[int | str] = None
+
+
+@dataclass
+class _Group:
+    request_id: str
+    prompt_token_ids: list[int]
+    samples: list[_Sample]
+    arrival_time: float
+    reported_finished: bool = False
+    error: Optional[str] = None
+    metrics: dict = field(default_factory=dict)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, clock: Callable[[], float] = time.monotonic,
+                 tokenizer: Optional[Tokenizer] = None) -> None:
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        torch.manual_seed(config.seed)
+        self.config = config
+        self.clock = clock
+        path = config.model_path
+        from pathlib import Path
+
+        self.tokenizer = tokenizer or load_tokenizer(Path(path))
+        t0 = time.perf_counter()
+        model = load_model(Path(path), config.model, config.dtype, create_backend(config.attention_backend))
+        logger.info("loaded %s (%s) in %.1fs", path, config.model.architecture, time.perf_counter() - t0)
+        num_blocks = config.cache.resolve_num_blocks(kv_bytes_per_token(config))
+        capacity = num_blocks * config.cache.block_size
+        if config.scheduler.max_model_len > capacity:
+            raise ValueError(
+                f"the KV cache holds {capacity} tokens, less than max_model_len "
+                f"{config.scheduler.max_model_len}; raise --kv-cache-tokens/--kv-cache-gib or lower --max-model-len")
+        self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks, clock)
+        self.runner = ModelRunner(config, model, num_blocks)
+        self.eos_token_ids = tuple(dict.fromkeys(self.tokenizer.eos_token_ids + config.model.eos_token_ids))
+        self.vocab_size = config.model.vocab_size
+        self._groups: dict[str, _Group] = {}
+        self._child_to_group: dict[str, str] = {}
+        self._pending: list[RequestOutput] = []   # outputs produced outside a step (aborts)
+
+    # --- requests ------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    workflow: Optional[WorkflowInfo] = None, arrival_time: Optional[float] = None) -> None:
+        """Accept a request or raise RequestRejected (nothing is changed then)."""
+        if request_id in self._groups:
+            raise RequestRejected(f"duplicate request id {request_id!r}")
+        if not prompt_token_ids:
+            raise RequestRejected("the prompt is empty", param="prompt")
+        if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= self.vocab_size:
+            raise RequestRejected(f"prompt token ids must be in [0, {self.vocab_size})", param="prompt")
+        prompt_len = len(prompt_token_ids)
+        max_tokens = params.max_tokens
+        if max_tokens is None:
+            max_tokens = self.config.scheduler.max_model_len - prompt_len
+            if max_tokens < 1:
+                self.scheduler.check_fits(prompt_len, 1)
+        self.scheduler.check_fits(prompt_len, max_tokens)
+        self.scheduler.check_admission(params.n, params.n * prompt_len)
+
+        now = arrival_time if arrival_time is not None else self.clock()
+        workflow = workflow or WorkflowInfo()
+        samples = []
+        for i in range(params.n):
+            child_id = request_id if params.n == 1 else f"{request_id}#{i}"
+            generator = None
+            if params.seed is not None:
+                generator = torch.Generator().manual_seed(params.seed + i)
+            req = Request(child_id, prompt_token_ids, params, max_tokens, now, self.eos_token_ids,
+                          workflow.workflow_id, workflow.is_last_step, generator)
+            detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.skip_special_tokens,
+                                           params.stop, params.include_stop_str_in_output)
+            want_lp = params.logprobs is not None
+            samples.append(_Sample(req, detok, [] if want_lp else None, 0.0 if want_lp else None))
+            self._child_to_group[child_id] = request_id
+        self._groups[request_id] = _Group(request_id, list(prompt_token_ids), samples, now,
+                                          metrics={"arrival_time": now})
+        for s in samples:
+            self.scheduler.add_request(s.req)
+
+    def abort_request(self, request_id: str) -> None:
+        group = self._groups.get(request_id)
+        if group is None:
+            return
+        for s in group.samples:
+            self.scheduler.abort_request(s.req.request_id)
+            s.finish_reason = s.finish_reason or "abort"
+        self._pending.append(self._make_output(group))
+
+    def fail_all(self, message: str) -> list[RequestOutput]:
+        """Finish every request with an error (the engine can no longer run)."""
+        outs = []
+        for group in list(self._groups.values()):
+            group.error = message
+            for s in group.samples:
+                self.scheduler.finish_request(s.req, RequestStatus.FINISHED_ERROR)
+                s.finish_reason = s.finish_reason or "error"
+            outs.append(self._make_output(group))
+        return outs
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished() or bool(self._pending)
+
+    def stats(self) -> EngineStats:
+        return self.scheduler.stats()
+
+    # --- the step ------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        outputs, self._pending = self._pending, []
+        sched = self.scheduler.schedule()
+        if sched.empty:
+            return outputs
+        result = self.runner.execute(sched)
+        logprobs = self._logprobs_by_request(sched, result.logprobs)
+        updated = self.scheduler.update_from_output(sched, result.sampled_token_ids)
+        outputs.extend(self._process(updated, logprobs))
+        return outputs
+
+    @staticmethod
+    def _logprobs_by_request(sched, logprobs) -> dict[str, dict[int, Logprob]]:
+        if logprobs is None:
+            return {}
+        sampling = [req.request_id for (req, _), s in zip(sched.scheduled, sched.samples) if s]
+        return {rid: lp for rid, lp in zip(sampling, logprobs) if lp is not None}
+
+    def _process(self, updated: list[Request], logprobs: dict[str, dict[int, Logprob]]) -> list[RequestOutput]:
+        touched: dict[str, _Group] = {}
+        for req in updated:
+            gid = self._child_to_group[req.request_id]
+            group = self._groups[gid]
+            sample = next(s for s in group.samples if s.req is req)
+            tok = req.output_token_ids[-1]
+            delta, stop_str = sample.detok.add_tokens([tok])
+            sample.delta_tokens += 1
+            lp = logprobs.get(req.request_id)
+            if sample.logprobs is not None and lp is not None:
+                sample.logprobs.append(lp)
+                sample.cumulative_logprob += lp[tok].logprob
+            if stop_str is not None:
+                self.scheduler.finish_request(req, RequestStatus.FINISHED_STOPPED)
+                req.stop_reason = stop_str
+            elif req.is_finished:
+                delta += sample.detok.flush()
+                if sample.detok.stop_reason is not None:
+                    req.stop_reason = sample.detok.stop_reason
+                    req.status = RequestStatus.FINISHED_STOPPED
+            sample.delta_text += delta
+            if req.is_finished:
+                sample.finish_reason = req.status.value
+                sample.stop_reason = req.stop_reason
+            if "first_token_time" not in group.metrics:
+                group.metrics["first_token_time"] = req.first_token_time
+            touched[gid] = group
+        return [self._make_output(g) for g in touched.values()]
+
+    def _make_output(self, group: _Group) -> RequestOutput:
+        outs = []
+        for i, s in enumerate(group.samples):
+            outs.append(CompletionOutput(
+                index=i,
+                text=s.detok.text,
+                token_ids=list(s.req.output_token_ids),
+                cumulative_logprob=s.cumulative_logprob,
+                logprobs=s.logprobs,
+                finish_reason=s.finish_reason,
+                stop_reason=s.stop_reason,
+                text_delta=s.delta_text,
+                num_new_tokens=s.delta_tokens,
+            ))
+            s.delta_text, s.delta_tokens = "", 0
+        finished = all(s.finish_reason is not None for s in group.samples)
+        cached = max(0, min(s.req.num_cached_tokens for s in group.samples))
+        if finished:
+            group.metrics["finish_time"] = self.clock()
+            self._groups.pop(group.request_id, None)
+            for s in group.samples:
+                self._child_to_group.pop(s.req.request_id, None)
+        return RequestOutput(group.request_id, group.prompt_token_ids, outs, finished,
+                             num_cached_tokens=cached, error=group.error, metrics=dict(group.metrics))

@@ -1,0 +1,112 @@
+"""Turns a SchedulerOutput into one forward pass over the flattened batch, then samples."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+import torch
+from torch import nn
+
+from sluice.attention.base import AttentionMetadata
+from sluice.config import EngineConfig
+from sluice.engine.request import Request
+from sluice.engine.sampler import Sampler, SamplingRow
+from sluice.engine.scheduler import SchedulerOutput
+from sluice.outputs import Logprob
+
+
+@dataclass
+class RunnerOutput:
+    # One entry per sampling request, in the order of SchedulerOutput.scheduled.
+    sampled_token_ids: list[int]
+    logprobs: Optional[list[Optional[dict[int, Logprob]]]]
+
+
+def kv_bytes_per_token(config: EngineConfig) -> int:
+    m = config.model
+    return 2 * m.num_hidden_layers * m.num_key_value_heads * m.head_dim * torch.finfo(config.dtype).bits // 8
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, model: nn.Module, num_blocks: int) -> None:
+        self.config = config
+        self.model = model
+        self.block_size = config.cache.block_size
+        m = config.model
+        shape = (num_blocks, self.block_size, m.num_key_value_heads, m.head_dim)
+        # [layers][k|v]: [num_blocks, block_size, num_kv_heads, head_dim]
+        self.kv_caches = [(torch.zeros(shape, dtype=config.dtype), torch.zeros(shape, dtype=config.dtype))
+                          for _ in range(m.num_hidden_layers)]
+        self.sampler = Sampler()
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> RunnerOutput:
+        entries = list(zip(out.scheduled, out.samples))
+        # Single-token queries first: the attention backends batch them as decodes.
+        order = sorted(range(len(entries)), key=lambda i: entries[i][0][1] != 1)
+        input_ids, positions, meta = self._prepare([entries[i][0] for i in order])
+        hidden = self.model(input_ids, positions, self.kv_caches, meta)          # [T, hidden]
+
+        ends = meta.query_start_loc[1:].to(torch.int64) - 1                      # [S]
+        sample_pos = [j for j, i in enumerate(order) if entries[i][1]]
+        if not sample_pos:
+            return RunnerOutput([], None)
+        logits = self.model.compute_logits(hidden[ends[sample_pos]])            # [N, vocab]
+        reqs = [entries[order[j]][0][0] for j in sample_pos]
+        rows = [self._row(r) for r in reqs]
+        sampled = self.sampler(logits, rows)
+        tokens = sampled.token_ids.tolist()
+        # Back to scheduler order.
+        by_req = {r.request_id: k for k, r in enumerate(reqs)}
+        sched_order = [req for (req, _), s in entries if s]
+        ids = [tokens[by_req[r.request_id]] for r in sched_order]
+        lps = None
+        if sampled.logprobs is not None:
+            lps = [sampled.logprobs[by_req[r.request_id]] for r in sched_order]
+        return RunnerOutput(ids, lps)
+
+    @staticmethod
+    def _row(req: Request) -> SamplingRow:
+        return SamplingRow(
+            params=req.params,
+            prompt_token_ids=req.prompt_token_ids,
+            output_token_ids=req.output_token_ids,
+            generator=req.generator,
+            suppress_token_ids=req.suppressed_token_ids(),
+        )
+
+    def _prepare(self, scheduled: list[tuple[Request, int]]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        bs = self.block_size
+        ids: list[int] = []
+        pos_parts, slot_parts = [], []
+        qlens, seq_lens = [], []
+        max_blocks = max(len(r.blocks) for r, _ in scheduled)
+        tables = np.zeros((len(scheduled), max_blocks), dtype=np.int32)
+        for i, (req, n) in enumerate(scheduled):
+            c = req.num_computed_tokens
+            ids.extend(req.all_token_ids[c:c + n])
+            block_ids = np.fromiter((b.block_id for b in req.blocks), dtype=np.int64, count=len(req.blocks))
+            tables[i, :len(block_ids)] = block_ids
+            pos = np.arange(c, c + n, dtype=np.int64)
+            pos_parts.append(pos)
+            slot_parts.append(block_ids[pos // bs] * bs + pos % bs)
+            qlens.append(n)
+            seq_lens.append(c + n)
+        qsl = np.zeros(len(scheduled) + 1, dtype=np.int32)
+        np.cumsum(qlens, out=qsl[1:])
+        num_decodes = 0
+        while num_decodes < len(qlens) and qlens[num_decodes] == 1:
+            num_decodes += 1
+        meta = AttentionMetadata(
+            slot_mapping=torch.from_numpy(np.concatenate(slot_parts)),
+            query_start_loc=torch.from_numpy(qsl),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+            block_tables=torch.from_numpy(tables),
+            num_decodes=num_decodes,
+            max_query_len=max(qlens),
+            max_seq_len=max(seq_lens),
+            query_lens_list=qlens,
+            seq_lens_list=seq_lens,
+        )
+        return (torch.tensor(ids, dtype=torch.int64), torch.from_numpy(np.concatenate(pos_parts)), meta)

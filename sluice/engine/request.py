@@ -1,0 +1,131 @@
+"""A request (one sequence) and the state it owns as it moves through the engine."""
+from __future__ import annotations
+
+import enum
+from typing import Optional
+
+import torch
+
+from sluice.engine.block_pool import Block, BlockHash
+from sluice.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"
+
+    @property
+    def finished(self) -> bool:
+        return self.value in ("stop", "length", "abort", "error")
+
+
+class Request:
+    """One sequence. `num_computed_tokens` chases `num_tokens`; a step that makes them equal samples.
+
+    A request with n > 1 samples is split by the engine into n Requests that share the prompt
+    (and its KV blocks, through the prefix cache).
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        max_tokens: int,
+        arrival_time: float,
+        eos_token_ids: tuple[int, ...] = (),
+        workflow_id: Optional[str] = None,
+        is_last_step: bool = False,
+        generator: Optional[torch.Generator] = None,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.params = params
+        self.max_tokens = max_tokens
+        self.arrival_time = arrival_time
+        self.eos_token_ids = eos_token_ids
+        self.workflow_id = workflow_id if workflow_id is not None else request_id
+        self.has_named_workflow = workflow_id is not None
+        self.is_last_step = is_last_step
+        self.generator = generator
+
+        self.output_token_ids: list[int] = []
+        self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = -1            # prefix-cache hit on first admission (-1: not yet)
+        self.status = RequestStatus.WAITING
+        self.stop_reason: Optional[int | str] = None
+        self.blocks: list[Block] = []
+        self.block_hashes: list[tuple[int, BlockHash]] = []   # of full blocks of all_token_ids
+        self.num_cached_blocks = 0             # leading blocks registered in the prefix cache
+        self.num_preemptions = 0
+        self.protected = False                 # resumed after preemption and made no progress yet
+        self.first_token_time: Optional[float] = None
+        self.last_token_time: Optional[float] = None
+        self.admit_time: Optional[float] = None
+        self.error: Optional[str] = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens_to_compute(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_decode(self) -> bool:
+        return self.num_tokens_to_compute == 1 and self.num_output_tokens > 0
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    @property
+    def max_total_tokens(self) -> int:
+        return self.num_prompt_tokens + self.max_tokens
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    def check_stop(self, max_model_len: int) -> Optional[RequestStatus]:
+        """Token-level stop conditions after a token was appended (stop strings are checked later)."""
+        tok = self.output_token_ids[-1]
+        n = self.num_output_tokens
+        if n >= self.params.min_tokens:
+            if not self.params.ignore_eos and tok in self.eos_token_ids:
+                self.stop_reason = None
+                return RequestStatus.FINISHED_STOPPED
+            if tok in self.params.stop_token_ids:
+                self.stop_reason = tok
+                return RequestStatus.FINISHED_STOPPED
+        if n >= self.max_tokens or self.num_tokens >= max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def suppressed_token_ids(self) -> tuple[int, ...]:
+        """Ids the sampler must not pick now (end tokens before min_tokens is reached)."""
+        if self.num_output_tokens >= self.params.min_tokens:
+            return ()
+        ids = tuple(self.params.stop_token_ids)
+        if not self.params.ignore_eos:
+            ids += self.eos_token_ids
+        return ids
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id}, {self.status.value}, computed={self.num_computed_tokens}/"
+                f"{self.num_tokens}, blocks={len(self.blocks)})")

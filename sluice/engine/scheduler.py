@@ -1,0 +1,317 @@
+"""Continuous batching on a per-step token budget.
+
+There are no prefill and decode phases: every request has `num_computed_tokens` chasing
+`num_tokens`, and each step hands out at most `max_num_batched_tokens` tokens: one to each
+running decode first (so a long prefill never stalls them), then chunks of pending prefills,
+then newly admitted requests in policy order (their prefix-cache hits count as computed).
+When blocks run out, retained workflow KV is released first, then the lowest-priority running
+request is preempted (its blocks freed; it recomputes later, mostly from the prefix cache).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+from sluice.config import CacheConfig, SchedulerConfig
+from sluice.engine.block_pool import BlockPool
+from sluice.engine.errors import RequestRejected
+from sluice.engine.kv_cache_manager import KVCacheManager
+from sluice.engine.policies import create_policy
+from sluice.engine.request import Request, RequestStatus
+from sluice.engine.stats import EngineStats
+from sluice.engine.workflow import WorkflowTracker
+
+
+@dataclass
+class SchedulerOutput:
+    # (request, tokens to compute this step): decodes first, then prefill chunks.
+    scheduled: list[tuple[Request, int]] = field(default_factory=list)
+    # per scheduled entry: whether this step completes the request's tokens (so it samples)
+    samples: list[bool] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+    num_batched_tokens: int = 0
+
+    @property
+    def empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, cache: CacheConfig, num_blocks: int,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.config = config
+        self.block_size = cache.block_size
+        self.clock = clock
+        self.pool = BlockPool(num_blocks, cache.enable_prefix_caching)
+        self.kv = KVCacheManager(self.pool, cache.block_size)
+        self.workflows = WorkflowTracker(self.pool, config.retention_ttl_s)
+        self.policy = create_policy(config, self.workflows)
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+
+    # --- admission ----------------------------------------------------------------------
+    @property
+    def num_waiting_tokens(self) -> int:
+        return sum(r.num_tokens_to_compute for r in self.waiting)
+
+    def check_admission(self, num_requests: int, num_tokens: int) -> None:
+        """Raise 429 if accepting these calls would exceed the waiting-queue bounds."""
+        c = self.config
+        if c.max_waiting_requests is not None and len(self.waiting) + num_requests > c.max_waiting_requests:
+            raise RequestRejected(
+                f"server is at capacity: {len(self.waiting)} requests waiting (limit {c.max_waiting_requests})",
+                status_code=429, code="rate_limit_exceeded", retry_after=self._retry_after())
+        if c.max_waiting_tokens is not None and self.num_waiting_tokens + num_tokens > c.max_waiting_tokens:
+            raise RequestRejected(
+                f"server is at capacity: {self.num_waiting_tokens} prompt tokens waiting "
+                f"(limit {c.max_waiting_tokens})",
+                status_code=429, code="rate_limit_exceeded", retry_after=self._retry_after())
+
+    def _retry_after(self) -> float:
+        return 1.0 + 0.05 * len(self.waiting)
+
+    def accepting(self) -> bool:
+        c = self.config
+        if c.max_waiting_requests is not None and len(self.waiting) >= c.max_waiting_requests:
+            return False
+        if c.max_waiting_tokens is not None and self.num_waiting_tokens >= c.max_waiting_tokens:
+            return False
+        return len(self.running) < self.config.max_num_seqs or not self.waiting
+
+    def check_fits(self, prompt_len: int, max_tokens: int) -> None:
+        """Reject a request that can never fit the context or the KV cache."""
+        limit = self.config.max_model_len
+        if prompt_len + max_tokens > limit:
+            raise RequestRejected(
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} for the "
+                f"completion). Please reduce the prompt or max_tokens.",
+                status_code=400, code="context_length_exceeded", param="max_tokens")
+        if self.kv.blocks_for(prompt_len + max_tokens) > self.pool.num_blocks:
+            raise RequestRejected(
+                f"request needs {prompt_len + max_tokens} tokens of KV cache; the cache holds "
+                f"{self.pool.num_blocks * self.block_size}", status_code=400, code="context_length_exceeded")
+
+    def add_request(self, req: Request) -> None:
+        now = self.clock()
+        self.requests[req.request_id] = req
+        self.workflows.on_call_arrival(req.workflow_id, now)
+        self.waiting.append(req)
+
+    def abort_request(self, request_id: str) -> Optional[Request]:
+        req = self.requests.get(request_id)
+        if req is None or req.is_finished:
+            return None
+        self._finish(req, RequestStatus.FINISHED_ABORTED)
+        return req
+
+    def finish_request(self, req: Request, status: RequestStatus) -> None:
+        if not req.is_finished:
+            self._finish(req, status)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # --- scheduling ---------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        now = self.clock()
+        self.workflows.expire(now)
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        taken: set[str] = set()
+
+        order = sorted(self.running, key=lambda r: (0 if r.is_decode else 1, self.policy.priority(r, now)))
+        for req in order:
+            if budget <= 0:
+                break
+            if req.status is not RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            n = min(req.num_tokens_to_compute, budget)
+            while not self.kv.allocate_slots(req, n):
+                deficit = self.kv._num_new_blocks(req, n, ()) - self.pool.num_free_blocks
+                if self.workflows.release_for(deficit, now) > 0:
+                    continue
+                victim = self._pick_victim(now, exclude=taken | {req.request_id})
+                if victim is None:
+                    self._preempt(req, out)
+                    break
+                self._preempt(victim, out)
+            if req.status is RequestStatus.RUNNING:
+                self._take(out, req, n, taken)
+                budget -= n
+
+        if not out.preempted:
+            budget = self._admit_waiting(out, budget, now, taken)
+        out.num_batched_tokens = self.config.max_num_batched_tokens - budget
+        return out
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: int, now: float, taken: set[str]) -> int:
+        order = sorted(self.waiting, key=lambda r: self.policy.priority(r, now))
+        admitted: list[Request] = []
+        for req in order:
+            if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+                break
+            computed = self.kv.get_computed_blocks(req)
+            num_hit = len(computed) * self.block_size
+            n = min(req.num_tokens - num_hit, budget)
+            if not self.kv.can_fit(req, n, computed):
+                deficit = (self.kv._num_new_blocks(req, n, computed) + sum(1 for b in computed if b.ref_cnt == 0)
+                           - self.pool.num_free_blocks)
+                self.workflows.release_for(deficit, now, exclude=req.workflow_id, max_value=req.num_tokens)
+                computed = self.kv.get_computed_blocks(req)  # releases may have changed what is cached
+                num_hit = len(computed) * self.block_size
+                n = min(req.num_tokens - num_hit, budget)
+                if not self.kv.can_fit(req, n, computed):
+                    break  # strict priority order: later requests do not jump the blocked one
+            self.kv.allocate_slots(req, n, computed)
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = num_hit
+                self.kv.record_lookup(req.num_prompt_tokens, min(num_hit, req.num_prompt_tokens))
+            req.num_computed_tokens = num_hit
+            wf = self.workflows.workflows.get(req.workflow_id)
+            if wf is not None and wf.retention is not None:
+                self.workflows.release(wf)  # the new call now holds its own references
+            req.status = RequestStatus.RUNNING
+            req.admit_time = req.admit_time or now
+            self.running.append(req)
+            admitted.append(req)
+            self._take(out, req, n, taken)
+            budget -= n
+        if admitted:
+            ids = {r.request_id for r in admitted}
+            self.waiting = [r for r in self.waiting if r.request_id not in ids]
+        return budget
+
+    def _take(self, out: SchedulerOutput, req: Request, n: int, taken: set[str]) -> None:
+        out.scheduled.append((req, n))
+        out.samples.append(req.num_computed_tokens + n == req.num_tokens)
+        taken.add(req.request_id)
+
+    def _pick_victim(self, now: float, exclude: set[str]) -> Optional[Request]:
+        """Lowest priority running request; least progress lost on ties; protected (just resumed,
+        no progress yet) requests only when nothing else is left."""
+        cands = [r for r in self.running if r.request_id not in exclude]
+        if not cands:
+            return None
+        unprotected = [r for r in cands if not r.protected] or cands
+        return max(unprotected, key=lambda r: (self.policy.priority(r, now), -r.num_computed_tokens))
+
+    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+        self.kv.free(req)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.PREEMPTED
+        req.num_preemptions += 1
+        req.protected = True
+        self.num_preemptions += 1
+        self.running.remove(req)
+        self.waiting.append(req)
+        out.preempted.append(req)
+
+    # --- results ------------------------------------------------------------------------
+    def update_from_output(self, out: SchedulerOutput, sampled: list[int]) -> list[Request]:
+        """Advance computed counts, append sampled tokens (one per sampling entry, in order) and
+        apply token-level stops. Returns the requests that received a token."""
+        now = self.clock()
+        updated = []
+        it = iter(sampled)
+        for (req, n), samples in zip(out.scheduled, out.samples):
+            tok = next(it) if samples else None
+            if req.is_finished or req.status is not RequestStatus.RUNNING:
+                continue
+            req.num_computed_tokens += n
+            wf = self.workflows.workflows.get(req.workflow_id)
+            if wf is not None:
+                wf.service += n
+                wf.last_activity = now
+            if req.num_output_tokens == 0:
+                self.prompt_tokens_total += n
+            self.kv.cache_computed_blocks(req)
+            if tok is None:
+                continue
+            req.append_output_token(tok)
+            req.protected = False
+            self.generation_tokens_total += 1
+            if req.first_token_time is None:
+                req.first_token_time = now
+            req.last_token_time = now
+            updated.append(req)
+            status = req.check_stop(self.config.max_model_len)
+            if status is not None:
+                self._finish(req, status)
+        return updated
+
+    def _finish(self, req: Request, status: RequestStatus) -> None:
+        now = self.clock()
+        if req.status is RequestStatus.RUNNING:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        req.status = status
+        retain = (req.has_named_workflow and not req.is_last_step
+                  and status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH))
+        if retain and req.num_cached_blocks > 0:
+            blocks = self.kv.take_blocks(req)
+            keep = blocks[:self._cached_prefix_len(blocks)]
+            self.pool.free(reversed(blocks[len(keep):]))
+            self.workflows.retain(req.workflow_id, keep, len(keep) * self.block_size, now)
+        else:
+            self.kv.free(req)
+            if req.has_named_workflow and req.is_last_step:
+                wf = self.workflows.workflows.get(req.workflow_id)
+                if wf is not None:
+                    self.workflows.release(wf)
+        self.workflows.on_call_finished(req.workflow_id, now)
+        self.requests.pop(req.request_id, None)
+
+    @staticmethod
+    def _cached_prefix_len(blocks) -> int:
+        n = 0
+        for b in blocks:
+            if b.hash_key is None:
+                break
+            n += 1
+        return n
+
+    # --- observability ------------------------------------------------------------------
+    def stats(self) -> EngineStats:
+        retained = self.workflows.num_retained_blocks
+        free = self.pool.num_free_blocks
+        evictable = self.pool.num_evictable_blocks
+        used = self.pool.num_blocks - free - retained
+        return EngineStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            num_waiting_tokens=self.num_waiting_tokens,
+            kv_blocks_total=self.pool.num_blocks,
+            kv_blocks_used=max(0, used),
+            kv_blocks_retained=retained,
+            kv_blocks_evictable=evictable,
+            kv_blocks_free=free - evictable,
+            prefix_cache_queries=self.kv.prefix_queries,
+            prefix_cache_hits=self.kv.prefix_hits,
+            num_preemptions=self.num_preemptions,
+            prompt_tokens_total=self.prompt_tokens_total,
+            generation_tokens_total=self.generation_tokens_total,
+            num_workflows=len(self.workflows.workflows),
+            accepting=self.accepting(),
+        )
+
+    def check_invariants(self) -> None:
+        """Every block's references are accounted for by requests and retentions."""
+        self.pool.check_invariants()
+        refs: dict[int, int] = {}
+        for r in self.running + self.waiting:
+            for b in r.blocks:
+                refs[b.block_id] = refs.get(b.block_id, 0) + 1
+        for wf in self.workflows.workflows.values():
+            if wf.retention:
+                for b in wf.retention.blocks:
+                    refs[b.block_id] = refs.get(b.block_id, 0) + 1
+        for b in self.pool.blocks:
+            assert b.ref_cnt == refs.get(b.block_id, 0), (
+                f"block {b.block_id}: ref_cnt {b.ref_cnt} but {refs.get(b.block_id, 0)} holders")

@@ -1,0 +1,130 @@
+"""Per-workflow state: attained service, calls, activity, and KV retained between calls.
+
+Retention contract: when a call of a named workflow finishes (and the client did not mark it the
+workflow's last step), the call's full, prefix-cached blocks keep one reference each, held by a
+`Retention`, until the workflow's next call takes them over, the TTL expires, or the scheduler
+releases the retention early because waiting work needs the memory (see `release_for`).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Optional
+
+from sluice.engine.block_pool import Block, BlockPool
+
+
+@dataclass
+class Retention:
+    blocks: list[Block]
+    num_tokens: int        # prompt+output tokens whose KV the blocks hold
+    start: float
+    expires: float
+
+
+@dataclass
+class WorkflowState:
+    workflow_id: str
+    service: float = 0.0            # tokens computed for this workflow (attained service)
+    calls: int = 0                  # calls admitted
+    active_calls: int = 0           # calls accepted and not finished
+    last_activity: float = 0.0
+    mean_gap: Optional[float] = None  # observed time between a call's end and the next call
+    last_finish: Optional[float] = None
+    retention: Optional[Retention] = None
+    num_blocks_held: int = 0        # blocks referenced by the workflow's running calls
+
+
+class WorkflowTracker:
+    def __init__(self, pool: BlockPool, ttl_s: float, idle_forget_s: float = 600.0) -> None:
+        self.pool = pool
+        self.ttl_s = ttl_s
+        self.idle_forget_s = idle_forget_s
+        self.workflows: dict[str, WorkflowState] = {}
+
+    def get(self, workflow_id: str, now: float) -> WorkflowState:
+        wf = self.workflows.get(workflow_id)
+        if wf is None:
+            wf = self.workflows[workflow_id] = WorkflowState(workflow_id, last_activity=now)
+        return wf
+
+    def on_call_arrival(self, workflow_id: str, now: float) -> WorkflowState:
+        wf = self.get(workflow_id, now)
+        wf.calls += 1
+        wf.active_calls += 1
+        if wf.last_finish is not None:
+            gap = now - wf.last_finish
+            wf.mean_gap = gap if wf.mean_gap is None else 0.7 * wf.mean_gap + 0.3 * gap
+        wf.last_activity = now
+        return wf
+
+    def on_call_finished(self, workflow_id: str, now: float) -> None:
+        wf = self.workflows.get(workflow_id)
+        if wf is not None:
+            wf.active_calls = max(0, wf.active_calls - 1)
+            wf.last_finish = now
+            wf.last_activity = now
+
+    # --- retention ---------------------------------------------------------------------
+    @property
+    def num_retained_blocks(self) -> int:
+        return sum(len(wf.retention.blocks) for wf in self.workflows.values() if wf.retention)
+
+    def retain(self, workflow_id: str, blocks: list[Block], num_tokens: int, now: float) -> None:
+        """Keep the references on `blocks` for the workflow's next call (replacing an older one)."""
+        wf = self.get(workflow_id, now)
+        self.release(wf)
+        if self.ttl_s <= 0 or not blocks:
+            self.pool.free(reversed(blocks))
+            return
+        wf.retention = Retention(blocks, num_tokens, now, now + self.ttl_s)
+
+    def release(self, wf: WorkflowState) -> int:
+        if wf.retention is None:
+            return 0
+        blocks = wf.retention.blocks
+        wf.retention = None
+        self.pool.free(reversed(blocks))
+        return len(blocks)
+
+    def expire(self, now: float) -> None:
+        """End expired retentions and forget idle workflows with nothing in flight."""
+        for wid in list(self.workflows):
+            wf = self.workflows[wid]
+            if wf.retention is not None and wf.retention.expires <= now:
+                self.release(wf)
+            if wf.retention is None and wf.active_calls == 0 and now - wf.last_activity > self.idle_forget_s:
+                del self.workflows[wid]
+
+    def retention_value(self, wf: WorkflowState, now: float) -> float:
+        """Expected recompute work (tokens) the retention saves: its tokens times an estimate of
+        the chance the workflow returns before the TTL ends (decaying with the time waited,
+        on the scale of the workflow's observed tool-call gap)."""
+        r = wf.retention
+        assert r is not None
+        scale = wf.mean_gap if wf.mean_gap else self.ttl_s / 2
+        waited = now - r.start
+        return r.num_tokens * math.exp(-waited / max(scale, 1e-3))
+
+    def release_for(self, num_blocks: int, now: float, exclude: Optional[str] = None,
+                    max_value: float = math.inf) -> int:
+        """Cost rule for ending TTLs early: release the retentions of least expected value first
+        until `num_blocks` blocks became free, never those worth more than `max_value` (the
+        recompute cost of the waiting work that needs the memory). Returns blocks freed."""
+        candidates = [wf for wf in self.workflows.values()
+                      if wf.retention is not None and wf.workflow_id != exclude]
+        candidates.sort(key=lambda wf: self.retention_value(wf, now))
+        freed = 0
+        for wf in candidates:
+            if freed >= num_blocks:
+                break
+            if self.retention_value(wf, now) > max_value:
+                break
+            before = self.pool.num_free_blocks
+            self.release(wf)
+            freed += self.pool.num_free_blocks - before
+        return freed
+
+    def release_all(self) -> None:
+        for wf in self.workflows.values():
+            self.release(wf)

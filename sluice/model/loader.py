@@ -1,0 +1,129 @@
+"""Find a model, read its config, build it and load its weights (HF folder or GGUF file)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Iterator, Optional
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from sluice.attention.base import AttentionBackend
+from sluice.config import ModelConfig
+from sluice.model.registry import create_model
+from sluice.tokenizer import Tokenizer
+
+
+def resolve_model_path(model: Optional[str]) -> Path:
+    if model is None:
+        from sluice.model.default import ensure_default_model
+
+        return ensure_default_model()
+    path = Path(model).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(f"model path {model!r} does not exist (sluice never downloads from a model hub)")
+    return path
+
+
+def _is_gguf(path: Path) -> bool:
+    return path.is_file() and path.suffix == ".gguf"
+
+
+def model_config_from_hf(cfg: dict) -> ModelConfig:
+    """Build a ModelConfig from a config.json dict (transformers 4 and 5 spellings)."""
+    archs = cfg.get("architectures") or []
+    arch = archs[0] if archs else {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM"}.get(
+        cfg.get("model_type", ""), "")
+    rope_params = cfg.get("rope_parameters") or {}
+    rope_theta = rope_params.get("rope_theta", cfg.get("rope_theta", 10000.0))
+    rope_scaling = cfg.get("rope_scaling")
+    if rope_params and rope_params.get("rope_type", "default") != "default":
+        rope_scaling = rope_params
+    if rope_scaling and rope_scaling.get("rope_type", rope_scaling.get("type")) == "default":
+        rope_scaling = None
+    heads = cfg["num_attention_heads"]
+    hidden = cfg["hidden_size"]
+    eos = cfg.get("eos_token_id")
+    eos_ids = tuple([eos] if isinstance(eos, int) else (eos or []))
+    return ModelConfig(
+        architecture=arch,
+        model_type=cfg.get("model_type", ""),
+        vocab_size=cfg["vocab_size"],
+        hidden_size=hidden,
+        intermediate_size=cfg["intermediate_size"],
+        num_hidden_layers=cfg["num_hidden_layers"],
+        num_attention_heads=heads,
+        num_key_value_heads=cfg.get("num_key_value_heads") or heads,
+        head_dim=cfg.get("head_dim") or hidden // heads,
+        rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+        rope_theta=float(rope_theta),
+        max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+        tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+        attention_bias=cfg.get("attention_bias", False),
+        mlp_bias=cfg.get("mlp_bias", False),
+        rope_scaling=rope_scaling,
+        bos_token_id=cfg.get("bos_token_id"),
+        eos_token_ids=eos_ids,
+        extra=cfg,
+    )
+
+
+def load_model_config(path: Path) -> ModelConfig:
+    if _is_gguf(path):
+        from sluice.model.gguf_loader import read_gguf
+
+        return model_config_from_hf(read_gguf(path).hf_config)
+    return model_config_from_hf(json.loads((path / "config.json").read_text()))
+
+
+def load_tokenizer(path: Path) -> Tokenizer:
+    if _is_gguf(path):
+        from sluice.model.gguf_loader import read_gguf
+
+        return Tokenizer(read_gguf(path).tokenizer)
+    return Tokenizer.from_hf_folder(path)
+
+
+def _iter_safetensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {folder}")
+    for f in files:
+        with safe_open(str(f), framework="pt") as sf:
+            for name in sf.keys():
+                yield name, sf.get_tensor(name)
+
+
+def load_model(path: Path, cfg: ModelConfig, dtype: torch.dtype, backend: AttentionBackend) -> nn.Module:
+    """Build the model in `dtype` and stream the checkpoint into it, one tensor at a time."""
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device("meta"):
+            model = create_model(cfg, backend)
+    finally:
+        torch.set_default_dtype(prev)
+    model = model.to_empty(device="cpu")
+    _rebuild_buffers(model, cfg)  # rotary tables are not in the checkpoint
+    if _is_gguf(path):
+        from sluice.model.gguf_loader import read_gguf
+
+        weights = read_gguf(path).iter_tensors(torch.float32)
+    else:
+        weights = _iter_safetensors(path)
+    model.load_weights(weights)
+    if cfg.tie_word_embeddings and hasattr(model, "lm_head"):
+        model.lm_head.weight = model.embed_tokens.weight
+    return model.eval()
+
+
+def _rebuild_buffers(model: nn.Module, cfg: ModelConfig) -> None:
+    from sluice.model.layers import RotaryEmbedding
+
+    for module in model.modules():
+        if isinstance(module, RotaryEmbedding):
+            fresh = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
+                                    cfg.rope_scaling, module.rotary_dim)
+            module.cos = fresh.cos
+            module.sin = fresh.sin
