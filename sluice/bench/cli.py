@@ -1,0 +1,306 @@
+"""`sluice bench {burst,sustained,compare}`: agent-workflow benchmarks of any OpenAI-compatible
+endpoint (sluice, vLLM, llama.cpp's server)."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as dt
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+from sluice.bench.client import Endpoint
+from sluice.bench.report import compare_table, replot, summary_table, write_compare, write_manifest, write_results
+from sluice.bench.run import BURST, SUSTAINED, RunResult, ScenarioSpec, fetch_model, run_repeats, server_info, wait_ready
+from sluice.bench.workload import FloatRange, History, IntRange, WorkloadConfig
+
+_D = WorkloadConfig()
+
+WORKLOAD_HELP = textwrap.dedent(f"""\
+    workload (token counts are approximate: text is drawn from common English words that are one
+    BPE token each; the server's `usage` gives the true counts, which the results report):
+      a system prompt of ~{_D.system_tokens} tokens (tool descriptions) shared by every workflow;
+      a task of {_D.task_tokens} tokens (uniform), unique to the workflow;
+      {_D.steps} steps (uniform), each one streaming /v1/chat/completions call with the whole
+      conversation so far, its output forced to {_D.output_tokens} tokens (uniform;
+      max_tokens + ignore_eos);
+      after each non-last step, the assistant reply and a tool result of lognormal length
+      (median {_D.tool_result_median:g}, sigma {_D.tool_result_sigma:g}, at most {_D.tool_result_max})
+      are appended, then the workflow waits a tool latency of {_D.tool_latency_s} s (uniform).
+    --scale F multiplies every token length and latency (not the step counts) after the explicit
+    flags. Everything is drawn from --seed: the i-th workflow and its bodies are the same on
+    every engine. Repeat r uses seed + r. Each call carries header X-Workflow-Id: <run-id>-<i>
+    and, unless --no-send-workflow-fields, body fields workflow_id and is_last_step.
+    """)
+
+
+def _int_range(text: str) -> IntRange:
+    lo, _, hi = text.replace(",", "-").partition("-")
+    return IntRange(int(lo), int(hi or lo))
+
+
+def _float_range(text: str) -> FloatRange:
+    lo, _, hi = text.replace(",", "-").partition("-")
+    return FloatRange(float(lo), float(hi or lo))
+
+
+def _add_workload_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("workload")
+    g.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
+    g.add_argument("--scale", type=float, default=1.0, help="multiply token lengths and tool latencies")
+    g.add_argument("--system-tokens", type=int, default=_D.system_tokens)
+    g.add_argument("--task-tokens", type=_int_range, default=_D.task_tokens, metavar="MIN-MAX")
+    g.add_argument("--steps", type=_int_range, default=_D.steps, metavar="MIN-MAX")
+    g.add_argument("--tool-result-tokens", type=float, default=_D.tool_result_median, metavar="MEDIAN")
+    g.add_argument("--tool-result-sigma", type=float, default=_D.tool_result_sigma)
+    g.add_argument("--tool-result-max", type=int, default=_D.tool_result_max)
+    g.add_argument("--output-tokens", type=_int_range, default=_D.output_tokens, metavar="MIN-MAX")
+    g.add_argument("--tool-latency", type=_float_range, default=_D.tool_latency_s, metavar="MIN-MAX",
+                   help="seconds")
+    g.add_argument("--temperature", type=float, default=_D.temperature)
+    g.add_argument("--history", choices=[h.value for h in History], default=History.SYNTHETIC.value,
+                   help="what stands for the assistant reply in later steps: 'synthetic' (drawn "
+                        "text of the drawn length; bodies identical on every engine) or 'actual' "
+                        "(the engine's own reply)")
+
+
+def _add_scenario_args(p: argparse.ArgumentParser, kind: Optional[str]) -> None:
+    g = p.add_argument_group("scenario")
+    g.add_argument("--concurrency", type=int, default=32, help="most workflows in flight (default 32)")
+    if kind in (BURST, None):
+        g.add_argument("--workflows", type=int, default=96, help="burst: number of workflows (default 96)")
+    if kind in (SUSTAINED, None):
+        g.add_argument("--window", type=float, default=1800.0, help="sustained: admission window in s (default 1800)")
+        g.add_argument("--max-workflows", type=int, default=None, help="sustained: cap on admissions")
+        g.add_argument("--admission", choices=["closed", "load"], default="closed",
+                       help="sustained: 'closed' loop, or 'load': also wait while GET /load says "
+                            "accepting=false (falls back to closed where the server has no /load)")
+    g.add_argument("--timeout", type=float, default=600.0, help="per-call timeout in s (default 600)")
+    g.add_argument("--repeats", type=int, default=1, help="run N times; report mean and std")
+
+
+def _add_output_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("requests and output")
+    g.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"))
+    g.add_argument("--run-id", default=None, help="workflow ids are <run-id>-<i> (default s<seed>)")
+    g.add_argument("--send-workflow-fields", action=argparse.BooleanOptionalAction, default=True,
+                   help="body fields workflow_id / is_last_step (off for servers that reject unknown fields)")
+    g.add_argument("--out", type=Path, default=None, help="results folder (default bench-results/<scenario>-<time>)")
+    g.add_argument("--manifest", type=Path, default=None,
+                   help="write every request body (JSONL) and <stem>.summary.json of token lengths")
+    g.add_argument("--quiet", action="store_true", help="no live progress display")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="sluice bench",
+        description=__doc__,
+        epilog=WORKLOAD_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    for kind, text in (
+        (BURST, "a fixed set of workflows, at most --concurrency in flight"),
+        (SUSTAINED, "closed loop for --window seconds, then drain"),
+    ):
+        p = sub.add_parser(kind, help=text, description=text, epilog=WORKLOAD_HELP,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+        p.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8000/v1")
+        p.add_argument("--model", default=None, help="model name (default: first of GET /v1/models)")
+        p.add_argument("--label", default=None, help="name in reports (default: the base URL)")
+        _add_scenario_args(p, kind)
+        _add_workload_args(p)
+        _add_output_args(p)
+    p = sub.add_parser(
+        "compare", epilog=WORKLOAD_HELP, formatter_class=argparse.RawDescriptionHelpFormatter,
+        help="run the same scenario on endpoints A then B; print each metric and A/B",
+        description="Run the same scenario and workload on A, then on B (one after the other), and "
+                    "print the seed post's table. With --a-cmd/--b-cmd each server is launched "
+                    "before its turn and stopped after it.",
+    )
+    p.add_argument("--scenario", choices=[BURST, SUSTAINED], default=BURST)
+    for side in ("a", "b"):
+        p.add_argument(f"--{side}", required=True, metavar="URL", help=f"base URL of {side.upper()}")
+        p.add_argument(f"--{side}-model", default=None)
+        p.add_argument(f"--{side}-label", default=None)
+        p.add_argument(f"--{side}-cmd", default=None, metavar="SHELL",
+                       help=f"command that serves {side.upper()} at its URL (launched, then stopped)")
+    p.add_argument("--startup-timeout", type=float, default=900.0, help="for --a-cmd/--b-cmd")
+    _add_scenario_args(p, None)
+    _add_workload_args(p)
+    _add_output_args(p)
+    p = sub.add_parser("plot", help="redraw the plots from results.json files (several: overlaid)")
+    p.add_argument("results", type=Path, nargs="+", help="results.json of a run (or of each side)")
+    p.add_argument("--out", type=Path, required=True, help="folder for throughput.png and ttft.png")
+    return parser
+
+
+def workload_from_args(args: argparse.Namespace) -> WorkloadConfig:
+    cfg = WorkloadConfig(
+        seed=args.seed,
+        system_tokens=args.system_tokens,
+        task_tokens=args.task_tokens,
+        steps=args.steps,
+        tool_result_median=args.tool_result_tokens,
+        tool_result_sigma=args.tool_result_sigma,
+        tool_result_max=args.tool_result_max,
+        output_tokens=args.output_tokens,
+        tool_latency_s=args.tool_latency,
+        history=History(args.history),
+        temperature=args.temperature,
+    )
+    return cfg if args.scale == 1.0 else cfg.scaled(args.scale)
+
+
+def spec_from_args(args: argparse.Namespace, kind: str) -> ScenarioSpec:
+    return ScenarioSpec(
+        kind=kind,
+        concurrency=args.concurrency,
+        workflows=getattr(args, "workflows", 96),
+        window_s=getattr(args, "window", 1800.0),
+        max_workflows=getattr(args, "max_workflows", None),
+        admission=getattr(args, "admission", "closed"),
+        timeout_s=args.timeout,
+    )
+
+
+def _default_out(name: str) -> Path:
+    return Path("bench-results") / f"{name}-{dt.datetime.now().strftime('%Y%m%d-%H%M%S')}"
+
+
+async def _bench_endpoint(
+    endpoint: Endpoint, model: Optional[str], spec: ScenarioSpec, workload: WorkloadConfig, args: argparse.Namespace
+) -> tuple[list[RunResult], dict[str, Any]]:
+    model = model or await fetch_model(endpoint)
+    if model is None:
+        raise SystemExit(f"no --model given and {endpoint.base_url}/models lists none")
+    info = await server_info(endpoint)
+    info["model"] = model
+    runs = await run_repeats(
+        endpoint, model, spec, workload,
+        repeats=args.repeats, run_id=args.run_id, send_workflow_fields=args.send_workflow_fields,
+        keep_bodies=args.manifest is not None, live=None if args.quiet else sys.stderr,
+    )
+    return runs, info
+
+
+def _print_kept(files: dict[str, Path]) -> None:
+    for kind, path in files.items():
+        print(f"  {kind}: {path}")
+
+
+def cmd_scenario(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    kind = args.command
+    spec = spec_from_args(args, kind)
+    workload = workload_from_args(args)
+    endpoint = Endpoint.from_url(args.base_url, args.api_key)
+    runs, info = asyncio.run(_bench_endpoint(endpoint, args.model, spec, workload, args))
+    label = args.label or endpoint.base_url
+    out = args.out or _default_out(kind)
+    files = write_results(out, label, runs, spec, workload, info, ["sluice", "bench", *argv])
+    if args.manifest is not None:
+        files["manifest"] = args.manifest
+        files["manifest_summary"] = write_manifest(args.manifest, runs, workload)
+    print(summary_table(runs))
+    print(f"results in {out}:")
+    _print_kept(files)
+    return 0 if any(r.summary.ok_calls for r in runs) else 1
+
+
+class LaunchedServer:
+    """A server started by a shell command in its own process group; stopped with the group."""
+
+    def __init__(self, command: str, log_path: Path):
+        self.command = command
+        self.log_path = log_path
+        self.proc: Optional[subprocess.Popen[bytes]] = None
+
+    def start(self) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = self.log_path.open("wb")
+        self.proc = subprocess.Popen(self.command, shell=True, stdout=log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+        log.close()
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def stop(self, timeout_s: float = 60.0) -> None:
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        try:  # children that outlived the shell
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def _run_side(side: str, args: argparse.Namespace, spec: ScenarioSpec, workload: WorkloadConfig, out: Path) -> tuple[str, list[RunResult], dict[str, Any]]:
+    url, model, label, cmd = (getattr(args, side), getattr(args, f"{side}_model"),
+                              getattr(args, f"{side}_label"), getattr(args, f"{side}_cmd"))
+    endpoint = Endpoint.from_url(url, args.api_key)
+    label = label or endpoint.base_url
+    server = LaunchedServer(cmd, out / f"{side}.server.log") if cmd else None
+    try:
+        if server is not None:
+            print(f"starting {side.upper()}: {cmd}", file=sys.stderr)
+            server.start()
+            asyncio.run(wait_ready(endpoint, args.startup_timeout, server.alive))
+        print(f"{side.upper()} = {label}", file=sys.stderr)
+        runs, info = asyncio.run(_bench_endpoint(endpoint, model, spec, workload, args))
+    finally:
+        if server is not None:
+            server.stop()
+    return label, runs, info
+
+
+def cmd_compare(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    spec = spec_from_args(args, args.scenario)
+    workload = workload_from_args(args)
+    if Endpoint.from_url(args.a).base_url == Endpoint.from_url(args.b).base_url and not (args.a_cmd and args.b_cmd):
+        print("warning: A and B are the same server: B will find A's prompts in its prefix cache",
+              file=sys.stderr)
+    out = args.out or _default_out(f"compare-{args.scenario}")
+    command = ["sluice", "bench", *argv]
+    sides = {}
+    for side in ("a", "b"):
+        label, runs, info = _run_side(side, args, spec, workload, out)
+        files = write_results(out / side, label, runs, spec, workload, info, command)
+        if args.manifest is not None:
+            path = args.manifest.with_name(f"{args.manifest.stem}.{side}{args.manifest.suffix or '.jsonl'}")
+            files["manifest"] = path
+            files["manifest_summary"] = write_manifest(path, runs, workload)
+        sides[side] = (label, runs, files)
+    (la, ra, fa), (lb, rb, fb) = sides["a"], sides["b"]
+    files = write_compare(out, la, ra, lb, rb, spec, workload, command)
+    print(compare_table(la, ra, lb, rb))
+    print(f"results in {out}:")
+    _print_kept({**files, **{f"a/{k}": v for k, v in fa.items()}, **{f"b/{k}": v for k, v in fb.items()}})
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    argv = list(argv)
+    args = build_parser().parse_args(argv)
+    if args.command == "plot":
+        _print_kept(replot(args.results, args.out))
+        return 0
+    if args.repeats < 1:
+        raise SystemExit("--repeats must be at least 1")
+    if args.command == "compare":
+        return cmd_compare(args, argv)
+    return cmd_scenario(args, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

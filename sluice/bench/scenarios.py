@@ -1,0 +1,214 @@
+"""The two traffic scenarios: admission policies and the closed loop that runs workflows.
+
+Both scenarios are the same loop: `concurrency` slots, each admitting the next workflow index
+as soon as its previous workflow ends, until the admission policy says stop. What differs is
+the policy:
+
+- burst (`FixedSet`): indices 0..n-1, then stop. At most `concurrency` in flight, the first
+  `concurrency` admitted at once.
+- sustained (`Window`): keep admitting while the window (seconds since the first admission) is
+  open; work admitted before it closes then drains. Both engines get the same first workflows;
+  a faster engine admits more.
+- sustained with `LoadGate`: like `Window`, but before each admission polls the server's
+  `GET /load` and waits while it reports `accepting: false`. A server without `/load` (vLLM)
+  makes the gate fall back to the plain closed loop for the rest of the run.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from typing import Any, Awaitable, Callable, Optional, Protocol
+
+import httpx
+
+from sluice.bench.client import CallRecord, Endpoint, get_json, stream_chat
+from sluice.bench.metrics import WorkflowRecord
+from sluice.bench.progress import Progress
+from sluice.bench.workload import (
+    History,
+    RequestTarget,
+    WorkloadConfig,
+    append_step,
+    initial_messages,
+    make_workflow,
+    request_body,
+    system_prompt,
+    workflow_id,
+)
+
+Clock = Callable[[], float]
+
+
+class Admission(Protocol):
+    """Decides, when a slot frees, which workflow index to admit next (None: admit no more)."""
+
+    async def admit(self) -> Optional[int]: ...
+
+
+class FixedSet:
+    """Burst: workflows 0..n-1 in order."""
+
+    def __init__(self, n: int):
+        if n < 0:
+            raise ValueError("number of workflows must be non-negative")
+        self.n = n
+        self._next = 0
+
+    async def admit(self) -> Optional[int]:
+        if self._next >= self.n:
+            return None
+        i, self._next = self._next, self._next + 1
+        return i
+
+
+class Window:
+    """Sustained: the next index while `clock()` (seconds since the run's start) is below
+    `window_s`, and fewer than `max_workflows` (if given) were admitted."""
+
+    def __init__(self, window_s: float, clock: Clock, max_workflows: Optional[int] = None):
+        if window_s <= 0:
+            raise ValueError("window must be positive")
+        self.window_s = window_s
+        self.clock = clock
+        self.max_workflows = max_workflows
+        self._next = 0
+
+    @property
+    def is_open(self) -> bool:
+        capped = self.max_workflows is not None and self._next >= self.max_workflows
+        return not capped and self.clock() < self.window_s
+
+    async def admit(self) -> Optional[int]:
+        if not self.is_open:
+            return None
+        i, self._next = self._next, self._next + 1
+        return i
+
+
+LoadProbe = Callable[[], Awaitable[Optional[dict[str, Any]]]]
+
+
+class LoadGate:
+    """Sustained with server feedback: a `Window` that admits only while the server's `/load`
+    says `accepting`. `probe()` returns the parsed `/load` document or None when there is none;
+    the first None makes the gate a plain `Window` for good (`available` becomes False)."""
+
+    def __init__(self, window: Window, probe: LoadProbe, poll_s: float = 0.1):
+        self.window = window
+        self.probe = probe
+        self.poll_s = poll_s
+        self.available: Optional[bool] = None   # unknown until the first probe
+        self.waits = 0                          # polls that found the server not accepting
+
+    async def admit(self) -> Optional[int]:
+        while self.window.is_open and self.available is not False:
+            load = await self.probe()
+            if load is None or not isinstance(load.get("accepting"), bool):
+                self.available = False
+                break
+            self.available = True
+            if load["accepting"]:
+                break
+            self.waits += 1
+            await asyncio.sleep(self.poll_s)
+        return await self.window.admit()
+
+
+async def run_closed_loop(
+    admission: Admission, concurrency: int, run_workflow: Callable[[int], Awaitable[WorkflowRecord]]
+) -> list[WorkflowRecord]:
+    """`concurrency` slots, each admitting and running workflows until admission stops; returns
+    when every admitted workflow has finished (the drain). Records in completion order."""
+    if concurrency < 1:
+        raise ValueError("concurrency must be at least 1")
+    done: list[WorkflowRecord] = []
+
+    async def slot() -> None:
+        while (index := await admission.admit()) is not None:
+            done.append(await run_workflow(index))
+
+    await asyncio.gather(*(slot() for _ in range(concurrency)))
+    return done
+
+
+@dataclass(frozen=True)
+class SentBody:
+    """A request as it went out, for the manifest."""
+
+    workflow_index: int
+    step_index: int
+    headers: dict[str, str]
+    body: dict[str, Any]
+
+
+class WorkflowRunner:
+    """Runs workflows against one endpoint, collecting call records (times relative to `t0`)."""
+
+    def __init__(
+        self,
+        http: httpx.AsyncClient,
+        endpoint: Endpoint,
+        workload: WorkloadConfig,
+        target: RequestTarget,
+        *,
+        t0: float,
+        timeout_s: float,
+        progress: Progress,
+        keep_bodies: bool = False,
+    ):
+        self.http = http
+        self.endpoint = endpoint
+        self.workload = workload
+        self.target = target
+        self.t0 = t0
+        self.timeout_s = timeout_s
+        self.progress = progress
+        self.keep_bodies = keep_bodies
+        self.system = system_prompt(workload)
+        self.calls: list[CallRecord] = []
+        self.bodies: list[SentBody] = []
+
+    def now(self) -> float:
+        return time.perf_counter() - self.t0
+
+    async def run(self, index: int) -> WorkflowRecord:
+        wf = make_workflow(self.workload, index)
+        rec = WorkflowRecord(index=index, num_steps=wf.num_steps, admit_time=self.now())
+        self.progress.admitted += 1
+        headers = {"X-Workflow-Id": workflow_id(self.target, index)}
+        messages = initial_messages(self.workload, wf, self.system)
+        for j, step in enumerate(wf.steps):
+            body = request_body(self.workload, self.target, wf, j, messages)
+            if self.keep_bodies:
+                self.bodies.append(SentBody(index, j, headers, body))
+            call = CallRecord(workflow_index=index, step_index=j, max_tokens=step.output_tokens, send_time=0.0)
+            self.progress.in_flight += 1
+            await stream_chat(
+                self.http, self.endpoint, body, call,
+                t0=self.t0, timeout_s=self.timeout_s, headers=headers, on_chunk=self.progress.add_tokens,
+            )
+            self.progress.in_flight -= 1
+            self.calls.append(call)
+            rec.calls += 1
+            self.progress.call_done(call)
+            if not call.ok:
+                rec.end_time = self.now()
+                self.progress.failed += 1
+                return rec
+            if j < wf.num_steps - 1:
+                reply = step.reply if self.workload.history is History.SYNTHETIC else call.text
+                append_step(messages, step, reply)
+                await asyncio.sleep(step.tool_latency_s)
+        rec.end_time = self.now()
+        rec.completed = True
+        self.progress.completed += 1
+        return rec
+
+
+def load_probe(http: httpx.AsyncClient, endpoint: Endpoint) -> LoadProbe:
+    async def probe() -> Optional[dict[str, Any]]:
+        doc = await get_json(http, endpoint.root_url + "/load", endpoint.headers(), timeout_s=2.0)
+        return doc if isinstance(doc, dict) else None
+
+    return probe

@@ -1,0 +1,149 @@
+"""Admission logic of the burst and sustained scenarios, with hand-made workflows (coroutines
+that take a known time) in place of HTTP calls."""
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any, Optional
+
+import pytest
+
+from sluice.bench.metrics import WorkflowRecord
+from sluice.bench.run import ScenarioSpec
+from sluice.bench.scenarios import FixedSet, LoadGate, Window, run_closed_loop
+
+
+class Tracker:
+    """Workflows that sleep `duration(i)` seconds; records admissions and the most in flight."""
+
+    def __init__(self, duration=lambda i: 0.02):
+        self.duration = duration
+        self.t0 = time.perf_counter()
+        self.in_flight = 0
+        self.max_in_flight = 0
+        self.admitted: list[tuple[int, float]] = []
+
+    def now(self) -> float:
+        return time.perf_counter() - self.t0
+
+    async def run(self, index: int) -> WorkflowRecord:
+        rec = WorkflowRecord(index=index, num_steps=1, admit_time=self.now())
+        self.admitted.append((index, rec.admit_time))
+        self.in_flight += 1
+        self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        await asyncio.sleep(self.duration(index))
+        self.in_flight -= 1
+        rec.end_time, rec.completed, rec.calls = self.now(), True, 1
+        return rec
+
+
+def test_fixed_set_admits_each_index_once_in_order():
+    fs = FixedSet(3)
+
+    async def drain() -> list[Optional[int]]:
+        return [await fs.admit() for _ in range(5)]
+
+    assert asyncio.run(drain()) == [0, 1, 2, None, None]
+
+
+@pytest.mark.parametrize("n,concurrency", [(10, 3), (2, 8), (7, 7), (0, 4)])
+def test_burst_runs_every_workflow_with_bounded_concurrency(n: int, concurrency: int):
+    tr = Tracker(duration=lambda i: 0.01 * (1 + i % 3))
+    done = asyncio.run(run_closed_loop(FixedSet(n), concurrency, tr.run))
+    assert sorted(w.index for w in done) == list(range(n))
+    assert [i for i, _ in tr.admitted] == list(range(n))       # admitted in index order
+    assert tr.max_in_flight == min(n, concurrency)
+    assert all(w.completed for w in done)
+
+
+def test_burst_admits_the_first_wave_at_once():
+    tr = Tracker(duration=lambda i: 0.05)
+    done = asyncio.run(run_closed_loop(FixedSet(8), 4, tr.run))
+    first_end = min(w.end_time for w in done)
+    assert all(t < first_end for i, t in tr.admitted if i < 4)
+    assert all(t >= first_end for i, t in tr.admitted if i >= 4)
+
+
+def _refilled_at_once(tr: Tracker, done: list[WorkflowRecord], concurrency: int) -> bool:
+    """Every admission after the first wave happened as a workflow ended (no await between)."""
+    ends = [w.end_time for w in done]
+    return all(any(0 <= t - e < 0.01 for e in ends) for _, t in tr.admitted[concurrency:])
+
+
+def test_window_with_manual_clock():
+    clock = {"t": 0.0}
+    w = Window(10.0, lambda: clock["t"], max_workflows=None)
+
+    async def admit() -> Optional[int]:
+        return await w.admit()
+
+    assert asyncio.run(admit()) == 0
+    clock["t"] = 9.99
+    assert asyncio.run(admit()) == 1
+    clock["t"] = 10.0
+    assert asyncio.run(admit()) is None
+    capped = Window(10.0, lambda: 0.0, max_workflows=2)
+    assert [asyncio.run(capped.admit()) for _ in range(3)] == [0, 1, None]
+
+
+def test_sustained_closed_loop_admits_until_the_window_closes_then_drains():
+    tr = Tracker(duration=lambda i: 0.1)
+    window = Window(0.35, tr.now)
+    done = asyncio.run(run_closed_loop(window, 2, tr.run))
+    assert all(t < 0.35 for _, t in tr.admitted)                 # nothing admitted after close
+    assert 4 <= len(done) <= 8                                   # 2 slots x at most 4 waves
+    assert tr.max_in_flight == 2
+    assert max(w.end_time for w in done) > 0.35                  # admitted work drained
+    assert all(w.completed for w in done)
+    assert sorted(w.index for w in done) == list(range(len(done)))
+    assert _refilled_at_once(tr, done, 2)
+
+
+def test_sustained_replaces_a_finished_workflow_at_once():
+    tr = Tracker(duration=lambda i: 0.02 if i == 0 else 0.3)
+    done = asyncio.run(run_closed_loop(Window(0.15, tr.now), 2, tr.run))
+    assert [i for i, _ in tr.admitted] == [0, 1, 2]              # 0's slot refilled; later ends: closed
+    assert _refilled_at_once(tr, done, 2)
+
+
+class ScriptedLoad:
+    """A `/load` probe answering from a script (None: the server has no /load)."""
+
+    def __init__(self, answers: list[Optional[dict[str, Any]]]):
+        self.answers = list(answers)
+        self.calls = 0
+
+    async def __call__(self) -> Optional[dict[str, Any]]:
+        self.calls += 1
+        return self.answers.pop(0) if len(self.answers) > 1 else self.answers[0]
+
+
+def test_load_gate_waits_while_not_accepting():
+    no, yes = {"accepting": False, "running": 4, "waiting": 9, "kv_usage": 0.99}, {"accepting": True}
+    probe = ScriptedLoad([no, no, no, yes])
+    gate = LoadGate(Window(60.0, lambda: 0.0), probe, poll_s=0.001)
+    assert asyncio.run(gate.admit()) == 0
+    assert gate.waits == 3 and gate.available is True
+
+
+def test_load_gate_falls_back_without_load_endpoint():
+    probe = ScriptedLoad([None])
+    gate = LoadGate(Window(60.0, lambda: 0.0), probe, poll_s=0.001)
+    assert [asyncio.run(gate.admit()) for _ in range(3)] == [0, 1, 2]
+    assert gate.available is False and probe.calls == 1           # asked once, then plain loop
+
+
+def test_load_gate_stops_when_the_window_closes_while_waiting():
+    t0 = time.perf_counter()
+    probe = ScriptedLoad([{"accepting": False}])
+    gate = LoadGate(Window(0.05, lambda: time.perf_counter() - t0), probe, poll_s=0.005)
+    assert asyncio.run(gate.admit()) is None
+    assert gate.waits >= 1
+
+
+def test_scenario_spec_validation():
+    with pytest.raises(ValueError):
+        ScenarioSpec(kind="steady")
+    with pytest.raises(ValueError):
+        ScenarioSpec(kind="burst", concurrency=0)
+    assert ScenarioSpec(kind="sustained", window_s=60).describe()["window_s"] == 60
