@@ -1,0 +1,67 @@
+"""Decode step time vs batch size and context length, and prefill tokens/s, through the real
+engine (scheduler + runner + sampler), printed beside a roofline estimate.
+
+    .venv/bin/python benchmarks/step_time.py [--batches 1 8 32] [--contexts 256 1024 2048]
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from sluice import LLM, SamplingParams
+
+
+def matmul_flops_per_token(cfg) -> float:
+    h, i, L = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers
+    q = cfg.num_attention_heads * cfg.head_dim
+    kv = cfg.num_key_value_heads * cfg.head_dim
+    per_layer = h * (q + 2 * kv) + q * h + 3 * h * i
+    return 2.0 * (L * per_layer + h * cfg.vocab_size)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
+    ap.add_argument("--contexts", type=int, nargs="+", default=[256, 1024, 2048])
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--backend", default="auto")
+    ap.add_argument("--threads", type=int, default=None)
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    llm = LLM(args.model, dtype="bfloat16", max_model_len=4096, kv_cache_tokens=32 * 2304 + 4096,
+              max_num_seqs=64, max_num_batched_tokens=2048, enable_prefix_caching=False,
+              attention_backend=args.backend)
+    eng = llm.engine
+    cfg = eng.config.model
+    flops = matmul_flops_per_token(cfg)
+    print(f"threads={torch.get_num_threads()} backend={args.backend} matmul GFLOP/token={flops / 1e9:.3f}")
+    print(f"{'batch':>5} {'context':>7} {'step ms':>8} {'tok/s':>8} {'GFLOP/s(matmul)':>15}")
+    for ctx in args.contexts:
+        for b in args.batches:
+            g = torch.Generator().manual_seed(b * 7919 + ctx)
+            for i in range(b):
+                prompt = torch.randint(100, 40000, (ctx,), generator=g).tolist()
+                eng.add_request(f"b{b}c{ctx}r{i}", prompt,
+                                SamplingParams(temperature=0, max_tokens=args.steps + 3, ignore_eos=True))
+            # Prefill everything, then time pure decode steps.
+            t0 = time.perf_counter()
+            while any(r.num_output_tokens == 0 for r in eng.scheduler.running + eng.scheduler.waiting):
+                eng.step()
+            prefill_s = time.perf_counter() - t0
+            eng.step()
+            t0 = time.perf_counter()
+            for _ in range(args.steps):
+                eng.step()
+            dt = (time.perf_counter() - t0) / args.steps
+            while eng.has_unfinished():
+                eng.step()
+            print(f"{b:>5} {ctx:>7} {dt * 1e3:>8.1f} {b / dt:>8.1f} {b * flops / dt / 1e9:>15.1f}"
+                  f"   (prefill {b * ctx / prefill_s:.0f} tok/s)")
+
+
+if __name__ == "__main__":
+    main()
