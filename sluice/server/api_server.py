@@ -1,0 +1,217 @@
+"""The HTTP layer: FastAPI app, routes, OpenAI-shaped errors, API-key auth, and `run_server`."""
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
+
+import uvicorn
+from fastapi import APIRouter, Depends, FastAPI
+from fastapi.exceptions import RequestValidationError
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from sluice.config import EngineConfig, ServerConfig
+from sluice.engine.async_engine import AsyncEngine
+from sluice.engine.errors import EngineError
+from sluice.server.metrics import CONTENT_TYPE, ServerMetrics
+from sluice.server.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    LoadInfo,
+    ModelCard,
+    ModelList,
+)
+from sluice.server.serving_base import ClientDisconnected, api_error_from
+from sluice.server.serving_chat import OpenAIServingChat
+from sluice.server.serving_completion import OpenAIServingCompletion
+
+logger = logging.getLogger(__name__)
+
+RequestModel = TypeVar("RequestModel", bound=BaseModel)
+
+_CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that went away; nobody reads it
+
+
+def served_model_name(model_path: str, server_config: ServerConfig) -> str:
+    """`--served-model-name`, else the model file's stem or the model folder's name."""
+    if server_config.served_model_name:
+        return server_config.served_model_name
+    path = Path(model_path.rstrip("/"))
+    return path.stem if path.suffix == ".gguf" else path.name
+
+
+def error_response(error: APIError) -> JSONResponse:
+    return JSONResponse(error.to_body().model_dump(), status_code=error.status_code, headers=error.headers)
+
+
+async def read_json_body(raw_request: Request, max_bytes: int) -> Any:
+    """The request body parsed as JSON; 413 above `max_bytes`, 400 if it is not JSON."""
+    too_large = APIError(413, f"request body exceeds {max_bytes} bytes", code="request_too_large")
+    declared = raw_request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > max_bytes:
+        raise too_large
+    body = bytearray()
+    async for chunk in raw_request.stream():
+        body += chunk
+        if len(body) > max_bytes:
+            raise too_large
+    try:
+        return json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise APIError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from e
+
+
+def _validation_error(e: ValidationError | RequestValidationError) -> APIError:
+    errors = e.errors()
+    parts = []
+    for err in errors[:3]:
+        loc = ".".join(str(x) for x in err.get("loc", ()) if x != "body")
+        msg = str(err.get("msg", "invalid value")).removeprefix("Value error, ")
+        parts.append(f"{loc}: {msg}" if loc else msg)
+    if len(errors) > 3:
+        parts.append(f"(and {len(errors) - 3} more)")
+    first_loc = [str(x) for x in errors[0].get("loc", ()) if x != "body"] if errors else []
+    return APIError(400, "invalid request: " + "; ".join(parts), param=first_loc[0] if first_loc else None)
+
+
+def parse_request(model: type[RequestModel], body: Any) -> RequestModel:
+    try:
+        return model.model_validate(body)
+    except ValidationError as e:
+        raise _validation_error(e) from e
+
+
+def _bearer_auth(api_key: str) -> Callable[[Request], Awaitable[None]]:
+    expected = api_key.encode()
+
+    async def require_api_key(raw_request: Request) -> None:
+        scheme, _, token = raw_request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), expected):
+            raise APIError(
+                401, "invalid or missing API key; send 'Authorization: Bearer <key>'", code="invalid_api_key"
+            )
+
+    return require_api_key
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    async def on_api_error(_: Request, exc: Exception) -> Response:
+        return error_response(api_error_from(exc))
+
+    async def on_validation_error(_: Request, exc: Exception) -> Response:
+        assert isinstance(exc, RequestValidationError)
+        return error_response(_validation_error(exc))
+
+    async def on_http_error(_: Request, exc: Exception) -> Response:
+        assert isinstance(exc, StarletteHTTPException)
+        return error_response(APIError(exc.status_code, str(exc.detail), headers=dict(exc.headers or {})))
+
+    async def on_client_disconnected(_: Request, exc: Exception) -> Response:
+        return Response(status_code=_CLIENT_CLOSED_REQUEST)
+
+    async def on_unexpected(_: Request, exc: Exception) -> Response:
+        logger.exception("unhandled error", exc_info=exc)
+        return error_response(api_error_from(exc))
+
+    app.add_exception_handler(APIError, on_api_error)
+    app.add_exception_handler(EngineError, on_api_error)
+    app.add_exception_handler(RequestValidationError, on_validation_error)
+    app.add_exception_handler(StarletteHTTPException, on_http_error)
+    app.add_exception_handler(ClientDisconnected, on_client_disconnected)
+    app.add_exception_handler(Exception, on_unexpected)
+
+
+def build_app(engine: AsyncEngine, server_config: ServerConfig) -> FastAPI:
+    """The OpenAI-compatible app around `engine`. The app owns the engine's lifecycle: its lifespan
+    starts the engine loop and shuts it down."""
+    model_name = served_model_name(engine.config.model_path, server_config)
+    max_model_len = engine.config.scheduler.max_model_len
+    metrics = ServerMetrics(engine.stats, model_name)
+    chat = OpenAIServingChat(engine, server_config, model_name, metrics)
+    completion = OpenAIServingCompletion(engine, server_config, model_name, metrics)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        await engine.start()
+        logger.info("serving %s (max_model_len %d)", model_name, max_model_len)
+        try:
+            yield
+        finally:
+            await engine.shutdown()
+
+    app = FastAPI(title="sluice", lifespan=lifespan, docs_url=None, redoc_url=None)
+    _install_error_handlers(app)
+    auth = [Depends(_bearer_auth(server_config.api_key))] if server_config.api_key else []
+    v1 = APIRouter(prefix="/v1", dependencies=auth)
+
+    def model_card() -> ModelCard:
+        return ModelCard(id=model_name, root=engine.config.model_path, max_model_len=max_model_len)
+
+    @v1.get("/models")
+    async def list_models() -> ModelList:
+        return ModelList(data=[model_card()])
+
+    @v1.get("/models/{model_id:path}")
+    async def retrieve_model(model_id: str) -> ModelCard:
+        chat.check_model(model_id)
+        return model_card()
+
+    @v1.post("/chat/completions")
+    async def create_chat_completion(raw_request: Request) -> Response:
+        body = await read_json_body(raw_request, server_config.max_request_bytes)
+        request = parse_request(ChatCompletionRequest, body)
+        return await chat.create_chat_completion(request, raw_request)
+
+    @v1.post("/completions")
+    async def create_completion(raw_request: Request) -> Response:
+        body = await read_json_body(raw_request, server_config.max_request_bytes)
+        request = parse_request(CompletionRequest, body)
+        return await completion.create_completion(request, raw_request)
+
+    app.include_router(v1)
+
+    @app.get("/health")
+    async def health() -> Response:
+        healthy = engine.is_healthy
+        return JSONResponse({"status": "ok" if healthy else "unhealthy"}, status_code=200 if healthy else 503)
+
+    @app.get("/load")
+    async def load() -> LoadInfo:
+        s = engine.stats()
+        return LoadInfo(
+            running=s.num_running, waiting=s.num_waiting, waiting_tokens=s.num_waiting_tokens,
+            kv_usage=s.kv_usage, accepting=s.accepting,
+        )
+
+    metrics_auth = auth if server_config.metrics_require_auth else []
+
+    @app.get("/metrics", dependencies=metrics_auth)
+    async def prometheus_metrics() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    return app
+
+
+def run_server(engine_config: EngineConfig, server_config: ServerConfig) -> int:
+    """Load the engine, serve until SIGINT/SIGTERM, return the process exit code."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    engine = AsyncEngine(engine_config)
+    app = build_app(engine, server_config)
+    server = uvicorn.Server(uvicorn.Config(
+        app,
+        host=server_config.host,
+        port=server_config.port,
+        lifespan="on",
+        access_log=server_config.log_requests,
+        timeout_graceful_shutdown=server_config.shutdown_timeout_s,
+    ))
+    server.run()
+    return 0 if server.started else 1
+

@@ -1,0 +1,330 @@
+"""What chat and completion serving share: request checks, sampling parameters, workflow identity,
+logprob lookup, and `GenerationStreams`, which drives the engine for one HTTP request."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+from collections import deque
+from dataclasses import dataclass
+from typing import AsyncIterator, Callable, Optional, Union
+
+from pydantic import BaseModel
+from starlette.requests import Request
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from sluice.config import ServerConfig
+from sluice.engine.async_engine import AsyncEngine, WorkflowInfo
+from sluice.engine.errors import EngineDeadError, RequestRejected
+from sluice.outputs import CompletionOutput, Logprob, RequestOutput
+from sluice.sampling_params import SamplingParams
+from sluice.server.metrics import ServerMetrics
+from sluice.server.protocol import APIError, SamplingRequest
+
+logger = logging.getLogger(__name__)
+
+WORKFLOW_HEADER = "x-workflow-id"
+
+
+def api_error_from(exc: BaseException) -> APIError:
+    """The client-facing form of an error raised while serving a request."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, RequestRejected):
+        headers = {}
+        if exc.retry_after is not None:
+            headers["Retry-After"] = str(max(1, math.ceil(exc.retry_after)))
+        return APIError(exc.status_code, exc.message, param=exc.param, code=exc.code, headers=headers)
+    if isinstance(exc, EngineDeadError):
+        return APIError(503, f"the engine is not running: {exc}", code="engine_dead")
+    return APIError(500, f"internal error: {type(exc).__name__}: {exc}", code="internal_error")
+
+
+def raise_if_failed(output: RequestOutput) -> None:
+    """A request that finished with reason "error" failed on the server's side (500)."""
+    if output.error is not None or any(o.finish_reason == "error" for o in output.outputs):
+        raise APIError(500, f"generation failed: {output.error or 'engine error'}", code="generation_error")
+
+
+class ClientDisconnected(Exception):
+    """The HTTP client went away before its response was complete."""
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def sse_event(payload: BaseModel) -> str:
+    return f"data: {payload.model_dump_json()}\n\n"
+
+
+class SSEResponse(StreamingResponse):
+    """A server-sent-event stream that runs `on_close` however it ends, even if the client is
+    gone before the body iterator ever started."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]) -> None:
+        super().__init__(content, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
+
+
+@dataclass
+class EngineCall:
+    """One engine request made on behalf of an HTTP request (a completions call may make several)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+
+
+_END = object()
+
+
+async def _wait_for_disconnect(raw_request: Request) -> None:
+    while True:
+        message = await raw_request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+class GenerationStreams:
+    """Runs the engine generators of one HTTP request and merges their outputs.
+
+    Each generator is consumed by its own task, so the engine's cleanup on abort runs outside
+    the HTTP framework's cancel scopes. `start()` waits until every call has produced its first
+    output, so an engine rejection (raised before the first output) still becomes an HTTP status
+    and not a broken stream. Iterate to get `(call index, RequestOutput)` pairs. `close()` (also
+    run when iteration ends or fails) cancels the tasks, which aborts unfinished engine requests.
+
+    While a disconnect watcher is active (from `start()` until `stop_watching()`), a client
+    disconnect raises `ClientDisconnected` from `start()` or the iteration.
+    """
+
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        calls: list[EngineCall],
+        workflow: WorkflowInfo,
+        metrics: ServerMetrics,
+        arrival: float,
+    ) -> None:
+        self._engine = engine
+        self._calls = calls
+        self._workflow = workflow
+        self._metrics = metrics
+        self._arrival = arrival
+        self._queue: asyncio.Queue[tuple[int, object]] = asyncio.Queue()
+        self._primed: deque[tuple[int, object]] = deque()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._watcher: Optional[asyncio.Task[None]] = None
+
+    async def start(self, raw_request: Request) -> None:
+        self._watcher = asyncio.create_task(_wait_for_disconnect(raw_request))
+        self._tasks = [asyncio.create_task(self._produce(i, call)) for i, call in enumerate(self._calls)]
+        not_started = set(range(len(self._calls)))
+        try:
+            while not_started:
+                item = await self._next_item()
+                self._primed.append(item)
+                index, value = item
+                if isinstance(value, BaseException):
+                    raise value
+                not_started.discard(index)
+        except BaseException:
+            self.close()
+            raise
+
+    def stop_watching(self) -> None:
+        if self._watcher is not None:
+            self._watcher.cancel()
+            self._watcher = None
+
+    def close(self) -> None:
+        self.stop_watching()
+        for task in self._tasks:
+            task.cancel()
+
+    async def __aiter__(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        remaining = len(self._calls)
+        try:
+            while remaining:
+                index, value = self._primed.popleft() if self._primed else await self._next_item()
+                if value is _END:
+                    remaining -= 1
+                elif isinstance(value, BaseException):
+                    raise value
+                else:
+                    assert isinstance(value, RequestOutput)
+                    yield index, value
+        finally:
+            self.close()
+
+    async def _next_item(self) -> tuple[int, object]:
+        if self._watcher is None:
+            return await self._queue.get()
+        get = asyncio.ensure_future(self._queue.get())
+        await asyncio.wait({get, self._watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if self._watcher.done():
+            get.cancel()
+            raise ClientDisconnected()
+        return get.result()
+
+    async def _produce(self, index: int, call: EngineCall) -> None:
+        recorder = self._metrics.recorder(self._arrival)
+        outputs = self._engine.generate(call.request_id, call.prompt_token_ids, call.params, self._workflow)
+        settled = False  # finished, rejected or failed: nothing left to abort
+        try:
+            async for output in outputs:
+                recorder.observe(output)
+                settled = output.finished
+                self._queue.put_nowait((index, output))
+            self._queue.put_nowait((index, _END))
+        except RequestRejected as e:
+            settled = True
+            recorder.discard()
+            self._queue.put_nowait((index, e))
+        except Exception as e:
+            settled = True
+            recorder.close("error")
+            self._queue.put_nowait((index, e))
+        finally:
+            recorder.close()
+            await outputs.aclose()
+            if not settled:
+                # Closing the generator aborts the request, except when it is cancelled while
+                # the engine is still admitting it; an explicit abort covers that window.
+                await self._engine.abort(call.request_id)
+
+
+class OpenAIServing:
+    """Request checks and engine plumbing common to the chat and completion endpoints."""
+
+    def __init__(
+        self, engine: AsyncEngine, server_config: ServerConfig, model_name: str, metrics: ServerMetrics
+    ) -> None:
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self.server_config = server_config
+        self.model_name = model_name
+        self.metrics = metrics
+        self.max_model_len = engine.config.scheduler.max_model_len
+        self._token_text: dict[int, str] = {}
+
+    def check_model(self, model: Optional[str]) -> None:
+        if model is not None and model != self.model_name:
+            raise APIError(
+                404, f"the model {model!r} does not exist; this server serves {self.model_name!r}",
+                param="model", code="model_not_found",
+            )
+
+    def check_request(self, request: SamplingRequest) -> None:
+        """Bounds that depend on the server's configuration, and fields sluice does not support."""
+        cfg = self.server_config
+        if request.n is not None and request.n > cfg.max_n:
+            raise APIError(400, f"n must be at most {cfg.max_n}", param="n")
+        stops = request.stop_list
+        if len(stops) > cfg.max_stop_strings:
+            raise APIError(400, f"at most {cfg.max_stop_strings} stop strings are allowed", param="stop")
+        if any(not s for s in stops):
+            raise APIError(400, "stop strings must not be empty", param="stop")
+        if request.logit_bias:
+            raise APIError(400, "logit_bias is not supported", param="logit_bias")
+
+    def check_logprobs(self, num: Optional[int], param: str) -> None:
+        if num is not None and not 0 <= num <= self.server_config.max_logprobs:
+            raise APIError(400, f"{param} must be in [0, {self.server_config.max_logprobs}]", param=param)
+
+    def check_prompt_ids(self, prompt_ids: list[int], param: str) -> None:
+        vocab = self.tokenizer.vocab_size
+        if not prompt_ids:
+            raise APIError(400, "the prompt is empty", param=param)
+        if any(not 0 <= t < vocab for t in prompt_ids):
+            raise APIError(400, f"prompt token ids must be in [0, {vocab})", param=param)
+
+    def resolve_max_tokens(self, requested: Optional[int], prompt_len: int, prompt_param: str) -> int:
+        """`requested`, checked against the context; the room left in the context when absent."""
+        room = self.max_model_len - prompt_len
+        if room <= 0:
+            raise APIError(
+                400,
+                f"the prompt has {prompt_len} tokens but this model's context is {self.max_model_len} "
+                "tokens, which leaves no room for output",
+                param=prompt_param, code="context_length_exceeded",
+            )
+        if requested is None:
+            return room
+        if requested <= 0:
+            raise APIError(400, "max_tokens must be at least 1", param="max_tokens")
+        if requested > room:
+            raise APIError(
+                400,
+                f"max_tokens is {requested} and the prompt has {prompt_len} tokens, which exceeds this "
+                f"model's context of {self.max_model_len} tokens",
+                param="max_tokens", code="context_length_exceeded",
+            )
+        return requested
+
+    def sampling_params(
+        self, request: SamplingRequest, prompt_len: int, logprobs: Optional[int], prompt_param: str
+    ) -> SamplingParams:
+        max_tokens = self.resolve_max_tokens(request.requested_max_tokens, prompt_len, prompt_param)
+        try:
+            return request.to_sampling_params(max_tokens=max_tokens, logprobs=logprobs)
+        except ValueError as e:
+            raise APIError(400, str(e)) from e
+
+    @staticmethod
+    def workflow_info(request: SamplingRequest, raw_request: Request) -> WorkflowInfo:
+        workflow_id: Optional[Union[str, int]] = raw_request.headers.get(WORKFLOW_HEADER)
+        if not workflow_id:
+            workflow_id = request.workflow_id if request.workflow_id is not None else request.user
+        return WorkflowInfo(
+            workflow_id=str(workflow_id) if workflow_id not in (None, "") else None,
+            is_last_step=bool(request.is_last_step),
+        )
+
+    async def start_streams(
+        self, raw_request: Request, calls: list[EngineCall], workflow: WorkflowInfo, arrival: float
+    ) -> GenerationStreams:
+        if self.server_config.log_requests:
+            for call in calls:
+                logger.info(
+                    "request %s: %d prompt tokens, max_tokens=%s, n=%d, workflow=%s",
+                    call.request_id, len(call.prompt_token_ids), call.params.max_tokens, call.params.n,
+                    workflow.workflow_id,
+                )
+        streams = GenerationStreams(self.engine, calls, workflow, self.metrics, arrival)
+        await streams.start(raw_request)
+        return streams
+
+    # -- logprobs ------------------------------------------------------------------------------
+
+    def token_text(self, token_id: int) -> str:
+        text = self._token_text.get(token_id)
+        if text is None:
+            text = self.tokenizer.decode([token_id], skip_special_tokens=False)
+            self._token_text[token_id] = text
+        return text
+
+    @staticmethod
+    def top_logprobs(entry: dict[int, Logprob], k: int) -> list[Logprob]:
+        return sorted(entry.values(), key=lambda lp: lp.logprob, reverse=True)[:k]
+
+    @staticmethod
+    def new_logprobs(output: CompletionOutput) -> list[tuple[int, dict[int, Logprob]]]:
+        """(token id, logprob entry) of the tokens added since the previous output of this sample.
+
+        Positions come from `token_ids`, so entries appended to `logprobs` after this output was
+        made (if the engine shares the list) are not picked up."""
+        if not output.num_new_tokens or output.logprobs is None:
+            return []
+        end = len(output.token_ids)
+        start = end - output.num_new_tokens
+        return list(zip(output.token_ids[start:end], output.logprobs[start:end]))

@@ -1,0 +1,279 @@
+"""The OpenAI-compatible server as users see it: a real `sluice serve` process on a loopback port,
+driven by the official `openai` client (and httpx where the test needs the raw stream)."""
+from __future__ import annotations
+
+import json
+import re
+import time
+from typing import Iterator
+
+import httpx
+import openai
+import pytest
+
+from server_utils import RemoteServer
+
+SERVER_ARGS = ["--max-model-len", "2048", "--kv-cache-tokens", "16384"]
+MESSAGES = [{"role": "user", "content": "Name three colors."}]
+PROMPT = "The capital of France is Paris. The capital of Germany is"
+LONG_PROMPT = " ".join(f"Item {i} is a {['red', 'green', 'blue'][i % 3]} box." for i in range(60))
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[RemoteServer]:
+    with RemoteServer(SERVER_ARGS) as remote:
+        yield remote
+
+
+@pytest.fixture(scope="module")
+def client(server: RemoteServer) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def model(client: openai.OpenAI) -> str:
+    return client.models.list().data[0].id
+
+
+def scrape_metrics(server: RemoteServer) -> dict[str, float]:
+    """`name{labels}` -> value, for every sample in /metrics."""
+    text = httpx.get(server.url + "/metrics", timeout=10).text
+    samples = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            samples[name] = float(value)
+    return samples
+
+
+def metric(samples: dict[str, float], name: str, **labels: str) -> float:
+    """Sum of the samples of `name` whose labels include `labels`."""
+    total = 0.0
+    for key, value in samples.items():
+        base, _, label_str = key.partition("{")
+        found = dict(re.findall(r'(\w+)="([^"]*)"', label_str))
+        if base == name and all(found.get(k) == v for k, v in labels.items()):
+            total += value
+    return total
+
+
+def wait_until_idle(server: RemoteServer, timeout: float = 20.0) -> dict[str, float]:
+    """Poll until no request is running or waiting and no KV block is in use."""
+    deadline = time.monotonic() + timeout
+    while True:
+        load = httpx.get(server.url + "/load", timeout=10).json()
+        samples = scrape_metrics(server)
+        if load["running"] == 0 and load["waiting"] == 0 and metric(samples, "sluice:kv_cache_blocks_used") == 0:
+            return samples
+        if time.monotonic() > deadline:
+            pytest.fail(f"server still busy after {timeout}s: {load}")
+        time.sleep(0.2)
+
+
+def test_health_and_models(server: RemoteServer, client: openai.OpenAI) -> None:
+    assert httpx.get(server.url + "/health").status_code == 200
+    models = client.models.list().data
+    assert [m.id for m in models] == ["SmolLM2-135M-Instruct.Q4_1"]
+    assert client.models.retrieve(models[0].id).id == models[0].id
+
+
+def test_chat_completion(client: openai.OpenAI, model: str) -> None:
+    resp = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=8)
+    assert resp.id.startswith("chatcmpl-")
+    assert resp.object == "chat.completion"
+    assert resp.model == model
+    assert len(resp.choices) == 1
+    choice = resp.choices[0]
+    assert choice.message.role == "assistant"
+    assert isinstance(choice.message.content, str)
+    assert choice.finish_reason in ("stop", "length")
+    usage = resp.usage
+    assert usage is not None
+    assert usage.prompt_tokens > 0
+    assert 0 < usage.completion_tokens <= 8
+    assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+    assert usage.prompt_tokens_details is not None and usage.prompt_tokens_details.cached_tokens is not None
+
+
+def test_chat_streaming_with_usage(client: openai.OpenAI, model: str) -> None:
+    chunks = list(client.chat.completions.create(
+        model=model, messages=MESSAGES, max_tokens=8, stream=True, stream_options={"include_usage": True},
+    ))
+    assert all(c.object == "chat.completion.chunk" and c.id == chunks[0].id for c in chunks)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    *body, usage_chunk = chunks
+    assert usage_chunk.choices == [] and usage_chunk.usage is not None
+    finish = [c.choices[0].finish_reason for c in body if c.choices[0].finish_reason]
+    assert len(finish) == 1 and finish[0] in ("stop", "length")
+    assert all(c.usage is None for c in body)
+    content = "".join(c.choices[0].delta.content or "" for c in body)
+    assert usage_chunk.usage.completion_tokens <= 8
+    assert usage_chunk.usage.total_tokens == usage_chunk.usage.prompt_tokens + usage_chunk.usage.completion_tokens
+    assert content or usage_chunk.usage.completion_tokens <= 1
+
+
+def test_greedy_is_deterministic_and_stream_matches(client: openai.OpenAI, model: str) -> None:
+    first = client.completions.create(model=model, prompt=PROMPT, max_tokens=12, temperature=0)
+    second = client.completions.create(model=model, prompt=PROMPT, max_tokens=12, temperature=0)
+    assert first.id.startswith("cmpl-") and first.object == "text_completion"
+    assert first.choices[0].text == second.choices[0].text
+    assert first.choices[0].text
+    stream = client.completions.create(model=model, prompt=PROMPT, max_tokens=12, temperature=0, stream=True)
+    chunks = list(stream)
+    assert "".join(c.choices[0].text for c in chunks) == first.choices[0].text
+    assert chunks[-1].choices[0].finish_reason == first.choices[0].finish_reason
+
+
+def test_chat_greedy_is_deterministic(client: openai.OpenAI, model: str) -> None:
+    texts = {
+        client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=8, temperature=0)
+        .choices[0].message.content
+        for _ in range(2)
+    }
+    assert len(texts) == 1
+
+
+def test_stop_string(client: openai.OpenAI, model: str) -> None:
+    full = client.completions.create(
+        model=model, prompt=PROMPT, max_tokens=12, temperature=0, extra_body={"ignore_eos": True}
+    )
+    text = full.choices[0].text
+    assert len(text) >= 4
+    stop = text[len(text) // 2:len(text) // 2 + 2]
+    expected = text[:text.find(stop)]
+    stopped = client.completions.create(
+        model=model, prompt=PROMPT, max_tokens=12, temperature=0, stop=[stop], extra_body={"ignore_eos": True}
+    )
+    assert stopped.choices[0].text == expected
+    assert stopped.choices[0].finish_reason == "stop"
+
+
+def test_prefix_cache_reports_cached_tokens(client: openai.OpenAI, model: str) -> None:
+    first = client.completions.create(model=model, prompt=LONG_PROMPT, max_tokens=1, temperature=0)
+    second = client.completions.create(model=model, prompt=LONG_PROMPT, max_tokens=1, temperature=0)
+    assert first.usage is not None and second.usage is not None
+    assert second.usage.prompt_tokens == first.usage.prompt_tokens > 256
+    details = second.usage.prompt_tokens_details
+    assert details is not None and details.cached_tokens is not None
+    assert 0 < details.cached_tokens <= second.usage.prompt_tokens
+
+
+def test_n_samples(client: openai.OpenAI, model: str) -> None:
+    resp = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=6, n=2, seed=1)
+    assert sorted(c.index for c in resp.choices) == [0, 1]
+    assert resp.usage is not None and resp.usage.completion_tokens <= 12
+    stream = client.completions.create(model=model, prompt=PROMPT, max_tokens=6, n=2, stream=True)
+    finished = {c.choices[0].index: c.choices[0].finish_reason for c in stream if c.choices[0].finish_reason}
+    assert set(finished) == {0, 1}
+
+
+def test_completion_batch_of_prompts(client: openai.OpenAI, model: str) -> None:
+    resp = client.completions.create(model=model, prompt=[PROMPT, "One, two,"], max_tokens=4, temperature=0)
+    assert sorted(c.index for c in resp.choices) == [0, 1]
+    single = client.completions.create(model=model, prompt="One, two,", max_tokens=4, temperature=0)
+    assert next(c.text for c in resp.choices if c.index == 1) == single.choices[0].text
+
+
+def test_token_id_prompt_and_default_max_tokens(client: openai.OpenAI, model: str) -> None:
+    """Without max_tokens a request may use the rest of the context: 2048 - 2040 = 8 tokens here."""
+    resp = client.completions.create(
+        model=model, prompt=[42] * 2040, temperature=0, extra_body={"ignore_eos": True}
+    )
+    assert resp.usage is not None and resp.usage.prompt_tokens == 2040
+    assert resp.usage.completion_tokens == 8
+    assert resp.choices[0].finish_reason == "length"
+
+
+def test_chat_logprobs(client: openai.OpenAI, model: str) -> None:
+    resp = client.chat.completions.create(
+        model=model, messages=MESSAGES, max_tokens=5, logprobs=True, top_logprobs=3, temperature=0
+    )
+    choice = resp.choices[0]
+    assert choice.logprobs is not None and choice.logprobs.content is not None
+    content = choice.logprobs.content
+    assert resp.usage is not None and len(content) == resp.usage.completion_tokens
+    for entry in content:
+        assert entry.logprob <= 0
+        assert len(entry.top_logprobs) == 3
+        # Greedy: the chosen token is the most likely one.
+        assert entry.logprob == pytest.approx(entry.top_logprobs[0].logprob, abs=1e-4)
+        assert entry.bytes == list(entry.token.encode())
+    assert "".join(e.token for e in content).startswith(choice.message.content or "")
+
+
+def test_completion_logprobs(client: openai.OpenAI, model: str) -> None:
+    resp = client.completions.create(model=model, prompt=PROMPT, max_tokens=5, logprobs=2, temperature=0)
+    lp = resp.choices[0].logprobs
+    assert lp is not None and lp.tokens is not None and lp.token_logprobs is not None
+    assert lp.top_logprobs is not None and lp.text_offset is not None
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) > 0
+    assert all(x <= 0 for x in lp.token_logprobs)
+    assert all(1 <= len(top) <= 2 for top in lp.top_logprobs)
+    assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
+
+
+def test_echo(client: openai.OpenAI, model: str) -> None:
+    resp = client.completions.create(model=model, prompt=PROMPT, max_tokens=3, echo=True, temperature=0)
+    assert resp.choices[0].text.startswith(PROMPT)
+
+
+def test_workflow_fields_and_unknown_fields_are_accepted(client: openai.OpenAI, model: str) -> None:
+    resp = client.chat.completions.create(
+        model=model, messages=MESSAGES, max_tokens=2, user="someone",
+        extra_headers={"X-Workflow-Id": "wf-test"},
+        extra_body={"workflow_id": "ignored-header-wins", "is_last_step": True, "top_k": 5, "min_p": 0.05,
+                    "repetition_penalty": 1.1, "min_tokens": 1, "skip_special_tokens": True,
+                    "some_future_field": {"x": 1}},
+    )
+    assert resp.choices[0].finish_reason in ("stop", "length")
+
+
+def test_load_and_metrics(server: RemoteServer) -> None:
+    load = httpx.get(server.url + "/load").json()
+    assert set(load) == {"running", "waiting", "waiting_tokens", "kv_usage", "accepting"}
+    assert load["accepting"] is True and 0.0 <= load["kv_usage"] <= 1.0
+    samples = scrape_metrics(server)
+    names = {key.partition("{")[0] for key in samples}
+    for name in [
+        "sluice:num_requests_running", "sluice:num_requests_waiting", "sluice:kv_cache_usage_perc",
+        "sluice:kv_cache_blocks_total", "sluice:kv_cache_blocks_used", "sluice:kv_cache_blocks_retained",
+        "sluice:kv_cache_blocks_evictable", "sluice:kv_cache_blocks_free", "sluice:prefix_cache_queries_total",
+        "sluice:prefix_cache_hits_total", "sluice:num_preemptions_total", "sluice:prompt_tokens_total",
+        "sluice:generation_tokens_total", "sluice:time_to_first_token_seconds_bucket",
+        "sluice:inter_token_latency_seconds_bucket", "sluice:e2e_request_latency_seconds_count",
+        "sluice:request_success_total",
+    ]:
+        assert name in names, name
+    assert metric(samples, "sluice:kv_cache_blocks_total") == 16384 // 16
+    assert metric(samples, "sluice:time_to_first_token_seconds_count") > 0
+    assert metric(samples, "sluice:generation_tokens_total") > 0
+    assert metric(samples, "sluice:request_success_total", finished_reason="length") > 0
+
+
+def _long_chat_body(model: str, stream: bool) -> dict:
+    return {"model": model, "messages": MESSAGES, "max_tokens": 1500, "ignore_eos": True, "stream": stream}
+
+
+def test_client_disconnect_mid_stream_aborts(server: RemoteServer, model: str) -> None:
+    aborted_before = metric(scrape_metrics(server), "sluice:request_success_total", finished_reason="abort")
+    with httpx.Client(base_url=server.base_url, timeout=60) as http:
+        with http.stream("POST", "/chat/completions", json=_long_chat_body(model, stream=True)) as resp:
+            assert resp.status_code == 200
+            events = []
+            for line in resp.iter_lines():
+                if line.startswith("data: "):
+                    events.append(json.loads(line[len("data: "):]))
+                if len(events) == 3:  # role chunk + two content chunks
+                    load = httpx.get(server.url + "/load").json()
+                    assert load["running"] + load["waiting"] == 1
+                    break
+    samples = wait_until_idle(server)
+    assert metric(samples, "sluice:request_success_total", finished_reason="abort") == aborted_before + 1
+
+
+def test_client_disconnect_while_waiting_for_full_response_aborts(server: RemoteServer, model: str) -> None:
+    aborted_before = metric(scrape_metrics(server), "sluice:request_success_total", finished_reason="abort")
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.base_url + "/chat/completions", json=_long_chat_body(model, stream=False), timeout=2.0)
+    samples = wait_until_idle(server)
+    assert metric(samples, "sluice:request_success_total", finished_reason="abort") == aborted_before + 1

@@ -1,0 +1,240 @@
+"""Bad requests get the right 4xx in OpenAI's error shape and leave the server healthy; API keys."""
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any, Iterator, Optional
+
+import httpx
+import openai
+import pytest
+
+from server_utils import RemoteServer
+
+MAX_REQUEST_BYTES = 100_000
+SERVER_ARGS = ["--max-model-len", "2048", "--kv-cache-tokens", "16384", "--max-request-bytes", str(MAX_REQUEST_BYTES)]
+MODEL = "SmolLM2-135M-Instruct.Q4_1"
+API_KEY = "sk-test-key"
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[RemoteServer]:
+    with RemoteServer(SERVER_ARGS) as remote:
+        yield remote
+
+
+@pytest.fixture(scope="module")
+def http(server: RemoteServer) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=server.base_url, timeout=60) as client:
+        yield client
+
+
+def chat(**fields: Any) -> dict[str, Any]:
+    return {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, **fields}
+
+
+def completion(**fields: Any) -> dict[str, Any]:
+    return {"model": MODEL, "prompt": "Hello", "max_tokens": 4, **fields}
+
+
+def assert_openai_error(resp: httpx.Response, status: int, param: Optional[str] = None,
+                        code: Optional[str] = None) -> dict[str, Any]:
+    assert resp.status_code == status, resp.text
+    assert resp.headers["content-type"].startswith("application/json")
+    error = resp.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert isinstance(error["message"], str) and error["message"]
+    assert isinstance(error["type"], str) and error["type"]
+    if param is not None:
+        assert error["param"] == param, error
+    if code is not None:
+        assert error["code"] == code, error
+    return error
+
+
+BAD_CHAT = {
+    "messages_not_a_list": (chat(messages="hello"), "messages"),
+    "messages_empty": (chat(messages=[]), "messages"),
+    "message_without_role": (chat(messages=[{"content": "hi"}]), "messages"),
+    "unknown_role": (chat(messages=[{"role": "robot", "content": "hi"}]), "messages"),
+    "image_content_part": (chat(messages=[{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]), "messages"),
+    "content_wrong_type": (chat(messages=[{"role": "user", "content": 42}]), "messages"),
+    "temperature_wrong_type": (chat(temperature="hot"), "temperature"),
+    "max_tokens_wrong_type": (chat(max_tokens="many"), "max_tokens"),
+    "stream_wrong_type": (chat(stream="sometimes"), "stream"),
+    "max_tokens_zero": (chat(max_tokens=0), "max_tokens"),
+    "max_tokens_negative": (chat(max_tokens=-5), "max_tokens"),
+    "max_completion_tokens_zero": (chat(max_completion_tokens=0), "max_tokens"),
+    "max_tokens_beyond_context": (chat(max_tokens=2048), "max_tokens"),
+    "negative_temperature": (chat(temperature=-0.5), None),
+    "top_p_zero": (chat(top_p=0.0), None),
+    "top_p_above_one": (chat(top_p=1.5), None),
+    "n_zero": (chat(n=0), None),
+    "n_above_max": (chat(n=17), "n"),
+    "too_many_stop_strings": (chat(stop=[f"s{i}" for i in range(17)]), "stop"),
+    "empty_stop_string": (chat(stop=[""]), "stop"),
+    "top_logprobs_above_bound": (chat(logprobs=True, top_logprobs=21), "top_logprobs"),
+    "top_logprobs_without_logprobs": (chat(top_logprobs=2), "top_logprobs"),
+    "logit_bias": (chat(logit_bias={"42": 10}), "logit_bias"),
+    "seed_beyond_int64": (chat(seed=2**64), "seed"),
+    "top_k_invalid": (chat(top_k=-3), None),
+    "presence_penalty_out_of_range": (chat(presence_penalty=3.0), None),
+    "min_tokens_above_max_tokens": (chat(min_tokens=10, max_tokens=4), None),
+    "streaming_bad_request": (chat(stream=True, temperature=-1), None),
+}
+
+BAD_COMPLETION = {
+    "prompt_missing": ({"model": MODEL, "max_tokens": 4}, "prompt"),
+    "prompt_wrong_type": (completion(prompt=12), "prompt"),
+    "prompt_empty_list": (completion(prompt=[]), "prompt"),
+    "prompt_token_out_of_vocab": (completion(prompt=[1, 2, 10_000_000]), "prompt"),
+    "prompt_longer_than_context": (completion(prompt=[42] * 2100, max_tokens=None), "prompt"),
+    "prompt_fills_context": (completion(prompt=[42] * 2048, max_tokens=None), "prompt"),
+    "prompt_plus_max_tokens_beyond_context": (completion(prompt=[42] * 2000, max_tokens=100), "max_tokens"),
+    "logprobs_above_bound": (completion(logprobs=21), "logprobs"),
+    "logprobs_negative": (completion(logprobs=-1), "logprobs"),
+    "suffix": (completion(suffix="end"), "suffix"),
+    "best_of": (completion(best_of=3), "best_of"),
+    "echo_with_logprobs": (completion(echo=True, logprobs=1), "echo"),
+}
+
+
+@pytest.mark.parametrize("body,param", BAD_CHAT.values(), ids=BAD_CHAT.keys())
+def test_bad_chat_request(http: httpx.Client, body: dict[str, Any], param: Optional[str]) -> None:
+    error = assert_openai_error(http.post("/chat/completions", json=body), 400, param=param)
+    assert error["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize("body,param", BAD_COMPLETION.values(), ids=BAD_COMPLETION.keys())
+def test_bad_completion_request(http: httpx.Client, body: dict[str, Any], param: Optional[str]) -> None:
+    assert_openai_error(http.post("/completions", json=body), 400, param=param)
+
+
+def test_context_length_errors_carry_a_code(http: httpx.Client) -> None:
+    error = assert_openai_error(http.post("/completions", json=completion(prompt=[42] * 2100)), 400)
+    assert error["code"] == "context_length_exceeded"
+    assert "2048" in error["message"]
+
+
+@pytest.mark.parametrize("path", ["/chat/completions", "/completions"])
+def test_invalid_json(http: httpx.Client, path: str) -> None:
+    resp = http.post(path, content=b'{"model": "x", "messages": [', headers={"content-type": "application/json"})
+    assert_openai_error(resp, 400, code="invalid_json")
+    assert_openai_error(http.post(path, content=b"[1, 2]"), 400)
+    assert_openai_error(http.post(path, content=b"\xff\xfe"), 400)
+
+
+def test_non_finite_numbers(http: httpx.Client) -> None:
+    for value in (b"NaN", b"Infinity", b"-Infinity"):
+        body = b'{"prompt": "Hello", "max_tokens": 4, "temperature": ' + value + b"}"
+        assert_openai_error(http.post("/completions", content=body), 400, param="temperature")
+
+
+def test_unknown_model(http: httpx.Client, server: RemoteServer) -> None:
+    assert_openai_error(http.post("/chat/completions", json=chat(model="gpt-5")), 404,
+                        param="model", code="model_not_found")
+    assert_openai_error(http.post("/completions", json=completion(model="")), 404, code="model_not_found")
+    assert_openai_error(http.get("/models/gpt-5"), 404, code="model_not_found")
+    client = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0)
+    with pytest.raises(openai.NotFoundError) as info:
+        client.chat.completions.create(model="gpt-5", messages=[{"role": "user", "content": "hi"}])
+    assert info.value.code == "model_not_found"
+
+
+def test_bad_request_through_openai_client(server: RemoteServer) -> None:
+    client = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0)
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=MODEL, prompt="hi", max_tokens=4, temperature=-1, stream=True)
+    assert "temperature" in info.value.message
+
+
+def test_request_too_large(http: httpx.Client) -> None:
+    big = chat(messages=[{"role": "user", "content": "x" * (MAX_REQUEST_BYTES + 1)}])
+    assert_openai_error(http.post("/chat/completions", json=big), 413, code="request_too_large")
+
+
+def test_wrong_method_and_unknown_route(http: httpx.Client) -> None:
+    assert_openai_error(http.get("/chat/completions"), 405)
+    assert_openai_error(http.post("/embeddings", json={}), 404)
+
+
+def test_model_field_may_be_omitted(http: httpx.Client) -> None:
+    body = chat()
+    del body["model"]
+    resp = http.post("/chat/completions", json=body)
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["model"] == MODEL
+
+
+def test_server_is_healthy_after_bad_requests(server: RemoteServer, http: httpx.Client) -> None:
+    assert httpx.get(server.url + "/health").status_code == 200
+    resp = http.post("/completions", json=completion(max_tokens=2))
+    assert resp.status_code == 200, resp.text
+    load = httpx.get(server.url + "/load").json()
+    assert load["running"] == 0
+
+
+# -- API key ----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def auth_server() -> Iterator[RemoteServer]:
+    args = ["--max-model-len", "512", "--kv-cache-tokens", "2048", "--api-key", API_KEY, "--metrics-require-auth",
+            "--max-num-seqs", "1", "--max-waiting-requests", "1"]
+    with RemoteServer(args) as remote:
+        yield remote
+
+
+def test_api_key_required_on_v1(auth_server: RemoteServer) -> None:
+    url = auth_server.base_url
+    for headers in [{}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY},
+                    {"Authorization": f"Basic {API_KEY}"}]:
+        assert_openai_error(httpx.get(url + "/models", headers=headers), 401, code="invalid_api_key")
+        assert_openai_error(httpx.post(url + "/completions", json=completion(), headers=headers), 401)
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=url, api_key="wrong", max_retries=0).models.list()
+    client = openai.OpenAI(base_url=url, api_key=API_KEY, max_retries=0)
+    assert client.models.list().data[0].id == MODEL
+    resp = client.completions.create(model=MODEL, prompt="Hello", max_tokens=2)
+    assert resp.usage is not None and resp.usage.completion_tokens <= 2
+
+
+def test_health_open_and_metrics_guarded(auth_server: RemoteServer) -> None:
+    assert httpx.get(auth_server.url + "/health").status_code == 200
+    assert_openai_error(httpx.get(auth_server.url + "/metrics"), 401)
+    resp = httpx.get(auth_server.url + "/metrics", headers={"Authorization": f"Bearer {API_KEY}"})
+    assert resp.status_code == 200 and "sluice:num_requests_running" in resp.text
+
+
+def test_queue_full_is_429_with_retry_after(auth_server: RemoteServer) -> None:
+    """One running request (max-num-seqs 1) and one waiting (max-waiting-requests 1) fill the
+    server; the next call is refused with 429 and Retry-After, and the two are aborted when their
+    clients go away."""
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    long = completion(max_tokens=400, ignore_eos=True)
+
+    async def load_until(key: str, value: int, http: httpx.AsyncClient) -> None:
+        deadline = time.monotonic() + 30
+        while (await http.get(auth_server.url + "/load")).json()[key] != value:
+            assert time.monotonic() < deadline, f"{key} never reached {value}"
+            await asyncio.sleep(0.05)
+
+    async def scenario() -> None:
+        async with httpx.AsyncClient(base_url=auth_server.base_url, headers=headers, timeout=120) as http:
+            running = asyncio.create_task(http.post("/completions", json=long))
+            await load_until("running", 1, http)
+            waiting = asyncio.create_task(http.post("/completions", json=long))
+            await load_until("waiting", 1, http)
+            assert (await http.get(auth_server.url + "/load")).json()["accepting"] is False
+            refused = await http.post("/completions", json=completion())
+            error = assert_openai_error(refused, 429, code="rate_limit_exceeded")
+            assert error["type"] == "rate_limit_error"
+            assert int(refused.headers["retry-after"]) >= 1
+            for task in (running, waiting):
+                task.cancel()
+            await asyncio.gather(running, waiting, return_exceptions=True)
+            await load_until("running", 0, http)
+            await load_until("waiting", 0, http)
+
+    asyncio.run(scenario())
