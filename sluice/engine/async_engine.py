@@ -92,9 +92,9 @@ class AsyncEngine:
         stream: asyncio.Queue = asyncio.Queue()
         accepted = self._loop.create_future()
         self._commands.put(_Add(request_id, list(prompt_token_ids), params, workflow, accepted, stream))
-        await accepted  # raises RequestRejected
         finished = False
         try:
+            await accepted  # raises RequestRejected
             while True:
                 item = await stream.get()
                 if isinstance(item, BaseException):
@@ -104,6 +104,8 @@ class AsyncEngine:
                 if finished:
                     return
         finally:
+            # Cancelled while waiting for acceptance, or closed early: the engine drops it
+            # (an abort of a request that was rejected or never added is a no-op).
             if not finished:
                 self._commands.put(_Abort(request_id))
 
@@ -133,6 +135,11 @@ class AsyncEngine:
                 eng.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.params, cmd.workflow)
             except RequestRejected as e:
                 self._resolve(cmd.accepted, e)
+                return
+            except Exception as e:  # noqa: BLE001 - a bad request must not kill the engine
+                logger.exception("rejecting request %s", cmd.request_id)
+                eng.abort_request(cmd.request_id)
+                self._resolve(cmd.accepted, RequestRejected(f"invalid request: {e}"))
                 return
             self._streams[cmd.request_id] = cmd.stream
             self._resolve(cmd.accepted, None)

@@ -121,7 +121,8 @@ class LLMEngine:
                                            params.stop, params.include_stop_str_in_output)
             want_lp = params.logprobs is not None
             samples.append(_Sample(req, detok, [] if want_lp else None, 0.0 if want_lp else None))
-            self._child_to_group[child_id] = request_id
+        for s in samples:
+            self._child_to_group[s.req.request_id] = request_id
         self._groups[request_id] = _Group(request_id, list(prompt_token_ids), samples, now,
                                           metrics={"arrival_time": now})
         for s in samples:
@@ -210,7 +211,7 @@ class LLMEngine:
                 text=s.detok.text,
                 token_ids=list(s.req.output_token_ids),
                 cumulative_logprob=s.cumulative_logprob,
-                logprobs=s.logprobs,
+                logprobs=list(s.logprobs) if s.logprobs is not None else None,
                 finish_reason=s.finish_reason,
                 stop_reason=s.stop_reason,
                 text_delta=s.delta_text,
