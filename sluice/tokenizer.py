@@ -100,13 +100,13 @@ class Tokenizer:
     @classmethod
     def from_hf_folder(cls, folder: str | Path) -> "Tokenizer":
         folder = Path(folder)
-        tok_json = (folder / "tokenizer.json").read_text()
+        tok_json = (folder / "tokenizer.json").read_text(encoding="utf-8")
         cfg: dict = {}
         if (folder / "tokenizer_config.json").exists():
-            cfg = json.loads((folder / "tokenizer_config.json").read_text())
+            cfg = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
         template = cfg.get("chat_template")
         if (folder / "chat_template.jinja").exists():
-            template = (folder / "chat_template.jinja").read_text()
+            template = (folder / "chat_template.jinja").read_text(encoding="utf-8")
         if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
             named = {t.get("name"): t.get("template") for t in template}
             template = named.get("default") or next(iter(named.values()), None)
@@ -117,7 +117,7 @@ class Tokenizer:
         eos_ids: list[int] = []
         gen_cfg = folder / "generation_config.json"
         if gen_cfg.exists():
-            e = json.loads(gen_cfg.read_text()).get("eos_token_id")
+            e = json.loads(gen_cfg.read_text(encoding="utf-8")).get("eos_token_id")
             eos_ids = [e] if isinstance(e, int) else list(e or [])
         return cls(
             TokenizerInfo(
