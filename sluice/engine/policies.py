@@ -59,7 +59,7 @@ class WorkflowPolicy:
 
     def priority(self, req: Request, now: float) -> tuple:
         wf = self.workflows.workflows.get(req.workflow_id)
-        resident = bool(wf and wf.retention is not None) or bool(req.blocks)
+        resident = bool(wf and (wf.retention is not None or wf.num_blocks_held > 0)) or bool(req.blocks)
         return (self.level(req, now), 0 if resident else 1, req.arrival_time)
 
 

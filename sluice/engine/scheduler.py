@@ -5,7 +5,8 @@ There are no prefill and decode phases: every request has `num_computed_tokens` 
 running decode first (so a long prefill never stalls them), then chunks of pending prefills,
 then newly admitted requests in policy order (their prefix-cache hits count as computed).
 When blocks run out, retained workflow KV is released first, then the lowest-priority running
-request is preempted (its blocks freed; it recomputes later, mostly from the prefix cache).
+request is preempted (its blocks freed; it recomputes later, mostly from the prefix cache): the
+one asking may yield itself, and one already scheduled this step is withdrawn from the batch.
 """
 from __future__ import annotations
 
@@ -51,6 +52,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        self._held_workflows: set[str] = set()   # workflows whose num_blocks_held is set
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
 
@@ -136,11 +138,12 @@ class Scheduler:
                 deficit = self.kv._num_new_blocks(req, n, ()) - self.pool.num_free_blocks
                 if self.workflows.release_for(deficit, now) > 0:
                     continue
-                victim = self._pick_victim(now, exclude=taken | {req.request_id})
-                if victim is None:
-                    self._preempt(req, out)
-                    break
+                victim = self._pick_victim(now)
+                if victim.request_id in taken:
+                    budget += self._untake(out, victim, taken)
                 self._preempt(victim, out)
+                if victim is req:
+                    break
             if req.status is RequestStatus.RUNNING:
                 self._take(out, req, n, taken)
                 budget -= n
@@ -151,6 +154,7 @@ class Scheduler:
         return out
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int, now: float, taken: set[str]) -> int:
+        self._count_held_blocks()
         order = sorted(self.waiting, key=lambda r: self.policy.priority(r, now))
         admitted: list[Request] = []
         for req in order:
@@ -160,6 +164,9 @@ class Scheduler:
             num_hit = len(computed) * self.block_size
             n = min(req.num_tokens - num_hit, budget)
             if not self.kv.can_fit(req, n, computed):
+                own = self.workflows.workflows.get(req.workflow_id)
+                if own is not None and own.retention is not None:
+                    self.workflows.release(own)  # admission ends it anyway; its hits stay cached
                 deficit = (self.kv._num_new_blocks(req, n, computed) + sum(1 for b in computed if b.ref_cnt == 0)
                            - self.pool.num_free_blocks)
                 self.workflows.release_for(deficit, now, exclude=req.workflow_id, max_value=req.num_tokens)
@@ -187,19 +194,40 @@ class Scheduler:
             self.waiting = [r for r in self.waiting if r.request_id not in ids]
         return budget
 
+    def _count_held_blocks(self) -> None:
+        """Refresh each workflow's `num_blocks_held` (blocks of its running calls) for the policy."""
+        wfs = self.workflows.workflows
+        for wid in self._held_workflows:
+            if wid in wfs:
+                wfs[wid].num_blocks_held = 0
+        self._held_workflows = set()
+        for r in self.running:
+            wf = wfs.get(r.workflow_id)
+            if wf is not None and r.blocks:
+                wf.num_blocks_held += len(r.blocks)
+                self._held_workflows.add(r.workflow_id)
+
     def _take(self, out: SchedulerOutput, req: Request, n: int, taken: set[str]) -> None:
         out.scheduled.append((req, n))
         out.samples.append(req.num_computed_tokens + n == req.num_tokens)
         taken.add(req.request_id)
 
-    def _pick_victim(self, now: float, exclude: set[str]) -> Optional[Request]:
-        """Lowest priority running request; least progress lost on ties; protected (just resumed,
-        no progress yet) requests only when nothing else is left."""
-        cands = [r for r in self.running if r.request_id not in exclude]
-        if not cands:
-            return None
-        unprotected = [r for r in cands if not r.protected] or cands
-        return max(unprotected, key=lambda r: (self.policy.priority(r, now), -r.num_computed_tokens))
+    def _pick_victim(self, now: float) -> Request:
+        """Lowest priority running request, the one asking for blocks included (it yields rather
+        than evict a more important one) and ones already scheduled this step (withdrawn);
+        least progress lost on ties; protected (just resumed, no progress yet) requests only
+        when nothing else is left."""
+        cands = [r for r in self.running if not r.protected] or self.running
+        return max(cands, key=lambda r: (self.policy.priority(r, now), -r.num_computed_tokens))
+
+    @staticmethod
+    def _untake(out: SchedulerOutput, req: Request, taken: set[str]) -> int:
+        """Withdraw `req`'s entry from this step's output; returns the tokens it had."""
+        i = next(i for i, (r, _) in enumerate(out.scheduled) if r is req)
+        _, n = out.scheduled.pop(i)
+        out.samples.pop(i)
+        taken.discard(req.request_id)
+        return n
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         self.kv.free(req)
