@@ -1,0 +1,396 @@
+"""Scheduler ("engine core") tests with hand-built model outputs: chunked prefill on a token
+budget, decode-first ordering, prefix caching, eviction, preemption, stops and aborts."""
+from __future__ import annotations
+
+import pytest
+
+from sched_utils import (
+    EOS,
+    TOKEN,
+    assert_all_released,
+    create_request,
+    create_requests,
+    create_scheduler,
+    drain,
+    run_step,
+    scheduled_ids,
+    unique_prompt,
+)
+from sluice.engine.errors import RequestRejected
+from sluice.engine.request import RequestStatus
+
+
+def by_output_index(req) -> int:
+    """Token i of a request's output is 100 + i: a resumed request must continue the sequence."""
+    return 100 + req.num_output_tokens
+
+
+# --- chunked prefill and the token budget -----------------------------------------------------
+def test_chunked_prefill_boundaries():
+    s = create_scheduler(max_num_batched_tokens=32)
+    (req,) = create_requests(s, 1, prompt=100, max_tokens=3)
+    chunks, samples = [], []
+    for _ in range(4):
+        out, updated = run_step(s)
+        chunks += [n for _, n in out.scheduled]
+        samples += out.samples
+        assert updated == ([req] if out.samples[0] else [])
+    assert chunks == [32, 32, 32, 4]
+    assert samples == [False, False, False, True]
+    assert req.num_computed_tokens == 100 and req.output_token_ids == [TOKEN]
+
+    out, _ = run_step(s)
+    assert scheduled_ids(out) == [("r0", 1)] and out.samples == [True]
+    drain(s)
+    assert req.output_token_ids == [TOKEN] * 3 and req.status is RequestStatus.FINISHED_LENGTH
+    assert_all_released(s)
+
+
+def test_decodes_go_before_prefill_chunks():
+    """A running decode gets its token every step, even when the prefill has the better priority."""
+    s = create_scheduler(max_num_batched_tokens=32)
+    s.clock.advance(10)
+    decode = create_request(s, "decode", 10, max_tokens=20)
+    out, _ = run_step(s)
+    assert scheduled_ids(out) == [("decode", 10)]
+
+    # Arrived earlier (FCFS would put it first), but it is a prefill.
+    long = create_request(s, "long", 100, max_tokens=1, arrival_time=0.0)
+    chunks = []
+    while not long.output_token_ids:
+        out, _ = run_step(s)
+        assert out.scheduled[0] == (decode, 1) and out.samples[0]
+        chunks.append(dict(scheduled_ids(out)).get("long"))
+    assert chunks == [31, 31, 31, 7]
+    assert decode.num_output_tokens == 5
+    drain(s)
+    assert_all_released(s)
+
+
+def test_long_prefill_leaves_every_decode_its_token():
+    s = create_scheduler(max_num_batched_tokens=16)
+    decodes = create_requests(s, 4, prompt=3, max_tokens=10, prefix="d")
+    run_step(s)
+    create_request(s, "long", 60, max_tokens=1)
+    out, _ = run_step(s)
+    assert scheduled_ids(out) == [("d0", 1), ("d1", 1), ("d2", 1), ("d3", 1), ("long", 12)]
+    assert out.num_batched_tokens == 16
+    assert all(d.num_output_tokens == 2 for d in decodes)
+    drain(s)
+    assert_all_released(s)
+
+
+def test_requests_share_the_step_budget():
+    s = create_scheduler(max_num_batched_tokens=32)
+    create_requests(s, 3, prompt=20, max_tokens=2)
+    out, _ = run_step(s)
+    assert scheduled_ids(out) == [("r0", 20), ("r1", 12)]
+    assert out.samples == [True, False]
+    out, _ = run_step(s)
+    assert scheduled_ids(out) == [("r0", 1), ("r1", 8), ("r2", 20)]
+    assert out.samples == [True, True, True]
+    assert out.num_batched_tokens == 29
+    drain(s)
+    assert_all_released(s)
+
+
+def test_max_num_seqs_bounds_the_batch():
+    s = create_scheduler(max_num_seqs=2)
+    reqs = create_requests(s, 3, prompt=5, max_tokens=2)
+    out, _ = run_step(s)
+    assert scheduled_ids(out) == [("r0", 5), ("r1", 5)]
+    assert reqs[2].status is RequestStatus.WAITING and len(s.waiting) == 1
+    out, _ = run_step(s)
+    assert scheduled_ids(out) == [("r0", 1), ("r1", 1)]
+    out, _ = run_step(s)
+    assert scheduled_ids(out) == [("r2", 5)]
+    drain(s)
+    assert all(r.num_output_tokens == 2 for r in reqs)
+    assert_all_released(s)
+
+
+# --- prefix caching -----------------------------------------------------------------------------
+def test_prefix_cache_hit():
+    s = create_scheduler(block_size=16)
+    prefix = unique_prompt(48)
+    first = create_request(s, "first", prefix + unique_prompt(10), max_tokens=3)
+    run_step(s)
+    assert first.num_cached_tokens == 0
+    assert (s.kv.prefix_queries, s.kv.prefix_hits) == (58, 0)
+
+    # While `first` still runs, its three full prompt blocks are shared.
+    second = create_request(s, "second", prefix + unique_prompt(7), max_tokens=2)
+    out, _ = run_step(s)
+    assert scheduled_ids(out) == [("first", 1), ("second", 7)]
+    assert second.num_cached_tokens == 48
+    assert second.blocks[:3] == first.blocks[:3]
+    assert all(b.ref_cnt == 2 for b in first.blocks[:3])
+    assert (s.kv.prefix_queries, s.kv.prefix_hits) == (58 + 55, 48)
+    stats = s.stats()
+    assert (stats.prefix_cache_queries, stats.prefix_cache_hits) == (113, 48)
+    drain(s)
+
+    # The whole prompt is cached, but one token must be computed for its logits.
+    third = create_request(s, "third", prefix, max_tokens=1)
+    out, _ = run_step(s)
+    assert scheduled_ids(out) == [("third", 16)]
+    assert third.num_cached_tokens == 32
+    assert (s.kv.prefix_queries, s.kv.prefix_hits) == (113 + 48, 48 + 32)
+    assert_all_released(s)
+
+
+def test_prefix_cache_hit_on_a_partial_chunked_prompt():
+    """Blocks are cached as chunks complete, so a request admitted mid-prefill of another hits them."""
+    s = create_scheduler(block_size=16, max_num_batched_tokens=32)
+    prefix = unique_prompt(64)
+    create_request(s, "a", prefix + unique_prompt(36), max_tokens=1)
+    run_step(s)
+    run_step(s)       # `a` has computed 64 tokens: four full blocks cached
+    b = create_request(s, "b", prefix + unique_prompt(4), max_tokens=1)
+    out, _ = run_step(s)
+    assert scheduled_ids(out) == [("a", 32)]           # budget spent on `a`
+    out, _ = run_step(s)
+    assert scheduled_ids(out) == [("a", 4), ("b", 4)]
+    assert b.num_cached_tokens == 64
+    drain(s)
+    assert_all_released(s)
+
+
+def test_no_prefix_cache_hit_when_caching_disabled():
+    s = create_scheduler(enable_prefix_caching=False)
+    prefix = unique_prompt(48)
+    create_request(s, "a", prefix + [1], max_tokens=1)
+    drain(s)
+    b = create_request(s, "b", prefix + [3], max_tokens=1)
+    out, _ = run_step(s)
+    assert scheduled_ids(out) == [("b", 49)] and b.num_cached_tokens == 0
+    assert s.pool.num_evictable_blocks == 0
+    assert_all_released(s)
+
+
+def test_cached_blocks_are_evicted_tail_first_under_pressure():
+    s = create_scheduler(block_size=16, num_blocks=8)
+    prompt = unique_prompt(48)
+    create_request(s, "a", prompt, max_tokens=1)
+    drain(s)
+    assert s.pool.num_evictable_blocks == 3
+
+    # Needs 7 of the 8 blocks: two of a's cached blocks are reused, its last ones first.
+    create_request(s, "big", 100, max_tokens=1)
+    drain(s)
+    c = create_request(s, "c", prompt + unique_prompt(4), max_tokens=1)
+    out, _ = run_step(s)
+    assert c.num_cached_tokens == 16
+    assert scheduled_ids(out) == [("c", 36)]
+    drain(s)
+    assert_all_released(s)
+
+
+def test_unreferenced_cached_blocks_do_not_block_admission():
+    s = create_scheduler(block_size=16, num_blocks=8)
+    for i in range(4):
+        create_request(s, f"old{i}", 32, max_tokens=1)
+    drain(s)
+    assert s.pool.num_evictable_blocks == 8
+    big = create_request(s, "big", 120, max_tokens=1)
+    out, _ = run_step(s)
+    assert scheduled_ids(out) == [("big", 120)] and big.is_finished
+    assert s.pool.num_evictable_blocks == 7
+    assert_all_released(s)
+
+
+# --- preemption ---------------------------------------------------------------------------------
+def test_preemption_and_resume():
+    s = create_scheduler(block_size=4, num_blocks=8)
+    r0 = create_request(s, "r0", 8, max_tokens=12, ignore_eos=True)
+    s.clock.advance(1)
+    r1 = create_request(s, "r1", 8, max_tokens=12, ignore_eos=True)
+    preempted_at = None
+    for step in range(100):
+        if not s.has_unfinished():
+            break
+        out, _ = run_step(s, by_output_index)
+        if out.preempted:
+            assert out.preempted == [r1]                   # the later arrival is the victim
+            assert scheduled_ids(out) == [("r0", 1)]       # nothing is admitted in that step
+            assert r1.status is RequestStatus.PREEMPTED and r1.blocks == []
+            assert r1.num_computed_tokens == 0 and r1 in s.waiting and r1.protected
+            preempted_at = r1.num_output_tokens
+    assert preempted_at is not None and 0 < preempted_at < 12
+    assert r1.num_preemptions == 1 and s.num_preemptions == 1 and s.stats().num_preemptions == 1
+    for r in (r0, r1):
+        assert r.status is RequestStatus.FINISHED_LENGTH
+        assert r.output_token_ids == [100 + i for i in range(12)]
+    assert_all_released(s)
+
+
+def test_resumed_request_recomputes_from_the_prefix_cache():
+    s = create_scheduler(block_size=4, num_blocks=8)
+    create_request(s, "r0", 8, max_tokens=12, ignore_eos=True)
+    s.clock.advance(1)
+    r1 = create_request(s, "r1", 8, max_tokens=12, ignore_eos=True)
+    while not r1.num_preemptions:
+        run_step(s, by_output_index)
+    num_tokens = r1.num_tokens
+    while r1.status is not RequestStatus.RUNNING:
+        out, _ = run_step(s, by_output_index)
+    (n,) = [n for r, n in out.scheduled if r is r1]
+    assert r1.num_computed_tokens == num_tokens     # prompt and outputs recomputed in one step
+    assert 0 < n < num_tokens and (num_tokens - n) % 4 == 0   # the rest were whole-block hits
+    assert r1.num_cached_tokens == 0                # hit accounting is for the first admission
+    drain(s, by_output_index)
+    assert r1.output_token_ids == [100 + i for i in range(12)]
+    assert_all_released(s)
+
+
+def test_scheduled_request_is_withdrawn_when_it_is_the_victim():
+    """Equal priorities: `solo` needs a block that `filler` just took this step; `filler` has less
+    progress to lose, so it is withdrawn from the batch and preempted, and both finish."""
+    s = create_scheduler(block_size=4, num_blocks=6, retention_ttl_s=0)
+    filler = create_request(s, "filler", 8, max_tokens=4, ignore_eos=True)
+    solo = create_request(s, "solo", 12, max_tokens=8, ignore_eos=True)
+    run_step(s, by_output_index)
+    out, _ = run_step(s, by_output_index)
+    assert out.preempted == [filler] and scheduled_ids(out) == [("solo", 1)] and out.samples == [True]
+    assert out.num_batched_tokens == 1
+    drain(s, by_output_index)
+    assert solo.output_token_ids == [100 + i for i in range(8)]
+    assert filler.output_token_ids == [100 + i for i in range(4)]
+    assert (filler.num_preemptions, solo.num_preemptions) == (1, 0)
+    assert_all_released(s)
+
+
+def test_request_that_can_never_fit_is_rejected():
+    s = create_scheduler(block_size=16, num_blocks=4, max_model_len=100)
+    with pytest.raises(RequestRejected) as e:
+        s.check_fits(90, 20)
+    assert e.value.status_code == 400 and e.value.code == "context_length_exceeded"
+    assert e.value.param == "max_tokens"
+    with pytest.raises(RequestRejected) as e:
+        s.check_fits(60, 10)                         # 70 tokens: 5 blocks of a 4-block cache
+    assert e.value.status_code == 400
+    s.check_fits(54, 10)                             # exactly 4 blocks fits
+    req = create_request(s, "fits", 54, max_tokens=10, ignore_eos=True)
+    drain(s)
+    assert req.num_output_tokens == 10
+    assert_all_released(s)
+
+
+# --- stop conditions ----------------------------------------------------------------------------
+def emit_at(index: int, token: int):
+    return lambda req: token if req.num_output_tokens == index else TOKEN
+
+
+def test_stop_on_eos():
+    s = create_scheduler()
+    (req,) = create_requests(s, 1, max_tokens=10)
+    drain(s, emit_at(2, EOS))
+    assert req.output_token_ids == [TOKEN, TOKEN, EOS]
+    assert req.status is RequestStatus.FINISHED_STOPPED and req.stop_reason is None
+    assert_all_released(s)
+
+
+def test_stop_on_stop_token_id():
+    s = create_scheduler()
+    (req,) = create_requests(s, 1, max_tokens=10, stop_token_ids=[9])
+    drain(s, emit_at(3, 9))
+    assert req.output_token_ids == [TOKEN] * 3 + [9]
+    assert req.status is RequestStatus.FINISHED_STOPPED and req.stop_reason == 9
+    assert_all_released(s)
+
+
+def test_stop_on_max_tokens():
+    s = create_scheduler()
+    (req,) = create_requests(s, 1, max_tokens=5)
+    drain(s)
+    assert req.output_token_ids == [TOKEN] * 5
+    assert req.status is RequestStatus.FINISHED_LENGTH and req.stop_reason is None
+    assert_all_released(s)
+
+
+def test_stop_at_max_model_len():
+    s = create_scheduler(max_model_len=16)
+    (req,) = create_requests(s, 1, prompt=12, max_tokens=100)
+    drain(s)
+    assert req.num_tokens == 16 and req.status is RequestStatus.FINISHED_LENGTH
+    assert_all_released(s)
+
+
+def test_min_tokens_defers_stops():
+    s = create_scheduler()
+    (req,) = create_requests(s, 1, max_tokens=10, min_tokens=3, stop_token_ids=[9])
+    assert set(req.suppressed_token_ids()) == {9, EOS}
+    drain(s, lambda r: EOS if r.num_output_tokens < 2 else 9)
+    assert req.output_token_ids == [EOS, EOS, 9]     # the third token reaches min_tokens
+    assert req.status is RequestStatus.FINISHED_STOPPED and req.stop_reason == 9
+    assert req.suppressed_token_ids() == ()
+    assert_all_released(s)
+
+
+def test_ignore_eos():
+    s = create_scheduler()
+    (req,) = create_requests(s, 1, max_tokens=4, ignore_eos=True)
+    assert req.suppressed_token_ids() == ()
+    drain(s, lambda r: EOS)
+    assert req.output_token_ids == [EOS] * 4 and req.status is RequestStatus.FINISHED_LENGTH
+    assert_all_released(s)
+
+
+def test_ignore_eos_still_stops_on_stop_token_ids():
+    s = create_scheduler()
+    (req,) = create_requests(s, 1, max_tokens=4, ignore_eos=True, stop_token_ids=[EOS])
+    drain(s, lambda r: EOS)
+    assert req.output_token_ids == [EOS] and req.stop_reason == EOS
+    assert_all_released(s)
+
+
+# --- aborts -------------------------------------------------------------------------------------
+def test_abort_while_waiting():
+    s = create_scheduler(max_num_seqs=1)
+    running, waiting = create_requests(s, 2, max_tokens=3)
+    run_step(s)
+    assert s.abort_request("r1") is waiting
+    assert waiting.status is RequestStatus.FINISHED_ABORTED and waiting not in s.waiting
+    assert s.abort_request("r1") is None and s.abort_request("nope") is None
+    s.check_invariants()
+    drain(s)
+    assert running.num_output_tokens == 3 and waiting.num_output_tokens == 0
+    assert_all_released(s)
+
+
+def test_abort_while_running():
+    s = create_scheduler()
+    a, b = create_requests(s, 2, prompt=40, max_tokens=10)
+    run_step(s)
+    assert a.blocks
+    assert s.abort_request("r0") is a
+    assert a.status is RequestStatus.FINISHED_ABORTED and a.blocks == [] and a not in s.running
+    s.check_invariants()
+    drain(s)
+    assert b.num_output_tokens == 10
+    assert_all_released(s)
+
+
+def test_abort_between_schedule_and_update():
+    """A request aborted while its step runs gets nothing; the others still get their own tokens."""
+    s = create_scheduler()
+    a, b = create_requests(s, 2, max_tokens=5)
+    out = s.schedule()
+    s.abort_request("r0")
+    updated = s.update_from_output(out, [11, 12])
+    assert updated == [b] and b.output_token_ids == [12] and a.output_token_ids == []
+    s.check_invariants()
+    drain(s)
+    assert_all_released(s)
+
+
+def test_abort_of_preempted_request():
+    s = create_scheduler(block_size=4, num_blocks=8)
+    create_request(s, "r0", 8, max_tokens=12, ignore_eos=True)
+    s.clock.advance(1)
+    r1 = create_request(s, "r1", 8, max_tokens=12, ignore_eos=True)
+    while r1.status is not RequestStatus.PREEMPTED:
+        run_step(s)
+    assert s.abort_request("r1") is r1 and r1 not in s.waiting
+    drain(s)
+    assert_all_released(s)

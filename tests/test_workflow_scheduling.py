@@ -1,0 +1,425 @@
+"""Workflow-aware scheduling: least attained service with aging and cache affinity, KV retention
+between a workflow's calls (TTL, last step, early release by the cost rule), admission bounds and
+the choice of preemption victims."""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from sched_utils import (
+    assert_all_released,
+    create_request,
+    create_scheduler,
+    drain,
+    run_step,
+    scheduled_ids,
+    unique_prompt,
+)
+from sluice.engine.errors import RequestRejected
+from sluice.engine.request import RequestStatus
+
+
+def by_output_index(req) -> int:
+    return 100 + req.num_output_tokens
+
+
+def give_service(s, workflow_id: str, num_tokens: int) -> None:
+    """Run one call of the workflow to completion, so it has attained `num_tokens` of service."""
+    create_request(s, f"{workflow_id}-warmup", num_tokens, max_tokens=1, workflow_id=workflow_id)
+    drain(s)
+    assert s.workflows.workflows[workflow_id].service == num_tokens
+
+
+def first_admitted(s) -> str:
+    out, _ = run_step(s)
+    return out.scheduled[0][0].request_id
+
+
+# --- ordering -----------------------------------------------------------------------------------
+def heavy_and_light(policy: str, schedule_at: float, aging_s: float = 5.0):
+    """`heavy` (a call of a workflow with 600 tokens of service) arrives at t=0, `light` (a new
+    workflow's first call) at t=1; one of them can run."""
+    s = create_scheduler(policy=policy, max_num_seqs=1, retention_ttl_s=0, aging_s=aging_s)
+    give_service(s, "heavy-wf", 600)
+    s.clock.t = 0.0
+    create_request(s, "heavy", 10, workflow_id="heavy-wf", max_tokens=2)
+    s.clock.t = 1.0
+    create_request(s, "light", 10, workflow_id="light-wf", max_tokens=2)
+    s.clock.t = schedule_at
+    return s
+
+
+def test_workflow_policy_serves_least_attained_service_first():
+    s = heavy_and_light("workflow", schedule_at=1.0)
+    assert s.policy.level(s.requests["heavy"], 1.0) == 1
+    assert s.policy.level(s.requests["light"], 1.0) == 0
+    assert first_admitted(s) == "light"
+    drain(s)
+    assert_all_released(s)
+
+
+def test_fcfs_orders_by_arrival():
+    s = heavy_and_light("fcfs", schedule_at=1.0)
+    assert first_admitted(s) == "heavy"
+    drain(s)
+    assert_all_released(s)
+
+
+def test_aging_promotes_a_starved_call():
+    s = heavy_and_light("workflow", schedule_at=4.99)
+    assert first_admitted(s) == "light"
+    s = heavy_and_light("workflow", schedule_at=5.0)     # heavy waited aging_s: one level up
+    assert s.policy.level(s.requests["heavy"], 5.0) == 0
+    assert first_admitted(s) == "heavy"
+    drain(s)
+    assert_all_released(s)
+
+
+def test_without_aging_a_heavy_workflow_keeps_waiting():
+    s = heavy_and_light("workflow", schedule_at=1000.0, aging_s=0)
+    assert first_admitted(s) == "light"
+
+
+def test_resident_prefix_goes_first_within_a_level():
+    """Both workflows are at level 0; the one with retained KV goes before an earlier arrival."""
+    for policy, expected in (("workflow", "resident"), ("fcfs", "cold")):
+        s = create_scheduler(policy=policy, max_num_seqs=1)
+        prompt = unique_prompt(40)
+        create_request(s, "prev", prompt, max_tokens=1, workflow_id="res-wf")
+        drain(s)
+        assert s.workflows.num_retained_blocks == 2
+        s.clock.advance(1)
+        create_request(s, "cold", 40, max_tokens=1, workflow_id="cold-wf")
+        s.clock.advance(1)
+        create_request(s, "resident", prompt + [5, 6], max_tokens=1, workflow_id="res-wf")
+        assert first_admitted(s) == expected, policy
+        drain(s)
+        assert_all_released(s)
+
+
+def test_held_prefix_goes_first_within_a_level():
+    """A call whose workflow has a running call holding KV goes before an earlier cold call."""
+    s = create_scheduler(policy="workflow", max_num_seqs=2)
+    prompt = unique_prompt(40)
+    create_request(s, "sibling", prompt + [1], max_tokens=20, workflow_id="fan-wf")
+    run_step(s)
+    s.clock.advance(1)
+    create_request(s, "cold", 40, max_tokens=1, workflow_id="cold-wf")
+    s.clock.advance(1)
+    warm = create_request(s, "warm", prompt + [2], max_tokens=1, workflow_id="fan-wf")
+    out, _ = run_step(s)
+    assert scheduled_ids(out) == [("sibling", 1), ("warm", 9)]
+    assert warm.num_cached_tokens == 32
+    drain(s)
+    assert_all_released(s)
+
+
+# --- KV retention -------------------------------------------------------------------------------
+def first_call(s, workflow_id="agent", is_last_step=False):
+    """44 prompt + 5 output tokens: 48 computed at the end, three full blocks of 16."""
+    call = create_request(s, "call1", 44, max_tokens=5, workflow_id=workflow_id, is_last_step=is_last_step)
+    drain(s)
+    assert call.status is RequestStatus.FINISHED_LENGTH and call.num_computed_tokens == 48
+    return call
+
+
+def test_finished_call_retains_its_full_cached_blocks():
+    s = create_scheduler(block_size=16, num_blocks=20)
+    call1 = first_call(s)
+    wf = s.workflows.workflows["agent"]
+    assert wf.retention is not None and s.workflows.num_retained_blocks == 3
+    assert all(b.ref_cnt == 1 and b.hash_key is not None for b in wf.retention.blocks)
+    assert wf.retention.num_tokens == 48
+    stats = s.stats()
+    assert stats.kv_blocks_retained == 3 and stats.kv_blocks_used == 0
+    assert stats.kv_blocks_free + stats.kv_blocks_evictable == 17
+    s.check_invariants()
+
+    # The next call extends the conversation: its prefix is a hit, and it takes the blocks over.
+    call2 = create_request(s, "call2", call1.all_token_ids + unique_prompt(10), max_tokens=6,
+                           workflow_id="agent")
+    retained = list(wf.retention.blocks)
+    out, _ = run_step(s)
+    assert scheduled_ids(out) == [("call2", 59 - 48)]
+    assert call2.num_cached_tokens == 48 and call2.blocks[:3] == retained
+    assert wf.retention is None and s.workflows.num_retained_blocks == 0
+    assert all(b.ref_cnt == 1 for b in retained)
+    drain(s)
+    assert s.workflows.num_retained_blocks == 4         # 59 + 6 tokens: 64 computed
+    assert_all_released(s)
+
+
+def test_retention_protects_blocks_from_eviction():
+    s = create_scheduler(block_size=16, num_blocks=10)
+    call1 = first_call(s)
+    create_request(s, "big", 112, max_tokens=1)          # takes every unretained block
+    drain(s)
+    assert s.workflows.num_retained_blocks == 3
+    call2 = create_request(s, "call2", call1.all_token_ids + [1], max_tokens=1, workflow_id="agent")
+    run_step(s)
+    assert call2.num_cached_tokens == 48
+    assert_all_released(s)
+
+
+def test_retention_expires_after_ttl():
+    s = create_scheduler(block_size=16, retention_ttl_s=10)
+    call1 = first_call(s)
+    s.clock.advance(9.9)
+    s.schedule()
+    assert s.workflows.num_retained_blocks == 3
+    s.clock.advance(0.1)
+    s.schedule()
+    assert s.workflows.num_retained_blocks == 0 and s.stats().kv_blocks_retained == 0
+    assert s.pool.all_unreferenced() and s.pool.num_evictable_blocks == 3
+    # Released, not evicted: still a prefix hit while nothing reuses the blocks.
+    call2 = create_request(s, "call2", call1.all_token_ids + [1], max_tokens=1, workflow_id="agent")
+    run_step(s)
+    assert call2.num_cached_tokens == 48
+    assert_all_released(s)
+
+
+def test_last_step_releases_immediately():
+    s = create_scheduler(block_size=16)
+    first_call(s, is_last_step=True)
+    assert s.workflows.num_retained_blocks == 0 and s.pool.all_unreferenced()
+    assert_all_released(s)
+
+
+def test_last_step_releases_the_workflows_retention():
+    """A parallel call retains KV while the workflow's last step runs; the last step's end
+    releases it."""
+    s = create_scheduler(block_size=16)
+    last = create_request(s, "last", 20, max_tokens=8, workflow_id="agent", is_last_step=True)
+    branch = create_request(s, "branch", 44, max_tokens=2, workflow_id="agent")
+    while not branch.is_finished:
+        run_step(s)
+    assert not last.is_finished and s.workflows.num_retained_blocks == 2
+    drain(s)
+    assert last.status is RequestStatus.FINISHED_LENGTH
+    assert s.workflows.num_retained_blocks == 0 and s.pool.all_unreferenced()
+    assert_all_released(s)
+
+
+def test_unnamed_and_aborted_calls_retain_nothing():
+    s = create_scheduler(block_size=16)
+    create_request(s, "anon", 44, max_tokens=5)
+    drain(s)
+    assert s.workflows.num_retained_blocks == 0
+    call = create_request(s, "aborted", 44, max_tokens=5, workflow_id="agent")
+    run_step(s)
+    run_step(s)
+    s.abort_request("aborted")
+    assert call.status is RequestStatus.FINISHED_ABORTED and s.workflows.num_retained_blocks == 0
+    assert s.pool.all_unreferenced()
+    assert_all_released(s)
+
+
+def test_zero_ttl_retains_nothing():
+    s = create_scheduler(block_size=16, retention_ttl_s=0)
+    first_call(s)
+    assert s.workflows.num_retained_blocks == 0 and s.pool.all_unreferenced()
+
+
+# --- early release by the cost rule ------------------------------------------------------------
+def two_retentions(num_blocks: int):
+    """Workflow `old` retains 3 blocks (48 tokens) from t=0, `new` 3 blocks from t=2; the clock
+    reads 2. With no observed gap, a retention's value decays on a scale of TTL/2 = 5 s."""
+    s = create_scheduler(block_size=16, num_blocks=num_blocks, retention_ttl_s=10)
+    create_request(s, "old-call", 48, max_tokens=1, workflow_id="old")
+    drain(s)
+    s.clock.advance(2)
+    create_request(s, "new-call", 48, max_tokens=1, workflow_id="new")
+    drain(s)
+    assert s.workflows.num_retained_blocks == 6
+    tracker = s.workflows
+    assert tracker.retention_value(tracker.workflows["old"], 2.0) == pytest.approx(48 * math.exp(-0.4))
+    assert tracker.retention_value(tracker.workflows["new"], 2.0) == pytest.approx(48)
+    return s
+
+
+def test_memory_pressure_releases_the_least_valuable_retention():
+    s = two_retentions(num_blocks=10)
+    x = create_request(s, "x", 100, max_tokens=1)       # 7 blocks; 4 are free
+    out, _ = run_step(s)
+    assert scheduled_ids(out) == [("x", 100)] and x.is_finished
+    assert s.workflows.workflows["old"].retention is None
+    assert s.workflows.workflows["new"].retention is not None
+    assert s.workflows.num_retained_blocks == 3
+    assert_all_released(s)
+
+
+def test_retention_is_not_released_for_a_request_worth_less():
+    s = two_retentions(num_blocks=7)                     # one block free
+    x = create_request(s, "x", 20, max_tokens=1)         # needs 2 blocks; worth 20 tokens
+    out = s.schedule()
+    assert out.empty and x.status is RequestStatus.WAITING
+    assert s.workflows.num_retained_blocks == 6
+    s.clock.t = 4.5                                      # old's value: 48 e^-0.9 = 19.5 < 20
+    out, _ = run_step(s)
+    assert scheduled_ids(out) == [("x", 20)]
+    assert s.workflows.workflows["old"].retention is None
+    assert s.workflows.workflows["new"].retention is not None   # 48 e^-0.5 = 29.1: kept
+    assert_all_released(s)
+
+
+def test_next_call_is_not_blocked_by_its_own_retention():
+    """The call that would take the retention over needs memory the retention holds (its prompt
+    does not extend the retained one): it is admitted now, not after the TTL."""
+    s = create_scheduler(block_size=16, num_blocks=8, retention_ttl_s=10)
+    create_request(s, "call1", 96, max_tokens=1, workflow_id="agent")
+    drain(s)
+    assert s.workflows.num_retained_blocks == 6 and s.pool.num_free_blocks == 2
+    call2 = create_request(s, "call2", 60, max_tokens=4, workflow_id="agent")
+    out, _ = run_step(s)
+    assert scheduled_ids(out) == [("call2", 60)]
+    drain(s)
+    assert call2.num_output_tokens == 4
+    assert_all_released(s)
+
+
+def test_own_retention_hits_survive_when_memory_is_short():
+    """Ending its own retention to make room keeps the shared blocks cached: the call (which
+    branches off after 48 of the 96 retained tokens) still hits them, and other workflows keep
+    their retentions."""
+    s = create_scheduler(block_size=16, num_blocks=13, retention_ttl_s=10)
+    call1 = create_request(s, "call1", 96, max_tokens=1, workflow_id="agent")
+    create_request(s, "other", 48, max_tokens=1, workflow_id="other")
+    drain(s)
+    assert s.workflows.num_retained_blocks == 9 and s.pool.num_free_blocks == 4
+    call2 = create_request(s, "call2", call1.prompt_token_ids[:48] + unique_prompt(72), max_tokens=1,
+                           workflow_id="agent")
+    out, _ = run_step(s)
+    assert scheduled_ids(out) == [("call2", 72)] and call2.num_cached_tokens == 48
+    assert s.workflows.workflows["other"].retention is not None
+    assert_all_released(s)
+
+
+def test_running_request_takes_retained_blocks_before_preempting():
+    s = create_scheduler(block_size=16, num_blocks=5)
+    create_request(s, "prev", 48, max_tokens=1, workflow_id="agent")
+    drain(s)
+    assert s.workflows.num_retained_blocks == 3
+    r = create_request(s, "r", 31, max_tokens=4)         # 2 blocks, a third at token 33
+    drain(s)
+    assert r.num_output_tokens == 4 and r.num_preemptions == 0 and s.num_preemptions == 0
+    assert s.workflows.num_retained_blocks == 0
+    assert_all_released(s)
+
+
+# --- admission bounds ---------------------------------------------------------------------------
+def test_admission_bound_on_waiting_requests():
+    s = create_scheduler(max_waiting_requests=2)
+    accepted = []
+    for i in range(2):
+        s.check_admission(1, 10)
+        accepted.append(create_request(s, f"r{i}", 10, max_tokens=2))
+    assert not s.accepting() and not s.stats().accepting
+    with pytest.raises(RequestRejected) as e:
+        s.check_admission(1, 10)
+    assert e.value.status_code == 429 and e.value.code == "rate_limit_exceeded"
+    assert e.value.retry_after is not None and e.value.retry_after > 0
+    with pytest.raises(RequestRejected):
+        s.check_admission(3, 0)                          # n > 1 counts every sample
+    run_step(s)                                          # both admitted: the queue is empty again
+    s.check_admission(2, 10)
+    drain(s)
+    assert all(r.num_output_tokens == 2 for r in accepted)
+    assert_all_released(s)
+
+
+def test_admission_bound_on_waiting_tokens():
+    s = create_scheduler(max_waiting_tokens=100)
+    s.check_admission(1, 40)
+    a = create_request(s, "a", 40, max_tokens=2)
+    s.check_admission(1, 40)
+    b = create_request(s, "b", 40, max_tokens=2)
+    assert s.num_waiting_tokens == 80
+    with pytest.raises(RequestRejected) as e:
+        s.check_admission(1, 40)
+    assert e.value.status_code == 429 and e.value.retry_after > 0
+    s.check_admission(1, 20)                             # exactly at the bound is fine
+    drain(s)
+    assert a.num_output_tokens == 2 and b.num_output_tokens == 2
+    s.check_admission(1, 100)
+    assert_all_released(s)
+
+
+# --- preemption victims -------------------------------------------------------------------------
+def three_decodes(stagger: float):
+    """A (7-token prompt), B (1) and C (9) fill a 6-block pool of 4-token blocks; at the third
+    step A needs a third block and someone must yield."""
+    s = create_scheduler(block_size=4, num_blocks=6)
+    reqs = []
+    for name, n in (("A", 7), ("B", 1), ("C", 9)):
+        reqs.append(create_request(s, name, n, max_tokens=6, ignore_eos=True))
+        s.clock.advance(stagger)
+    for _ in range(2):
+        out, _ = run_step(s, by_output_index)
+        assert not out.preempted
+    return s, reqs
+
+
+def test_victim_is_the_lowest_priority_request():
+    s, (a, b, c) = three_decodes(stagger=1.0)
+    out, _ = run_step(s, by_output_index)
+    assert out.preempted == [c]                          # the latest arrival, despite its progress
+    drain(s, by_output_index)
+    assert all(r.output_token_ids == [100 + i for i in range(6)] for r in (a, b, c))
+    assert_all_released(s)
+
+
+def test_victim_ties_go_to_least_progress_lost():
+    s, (a, b, c) = three_decodes(stagger=0.0)            # equal priorities
+    out, _ = run_step(s, by_output_index)
+    assert out.preempted == [b]                          # 2 computed tokens, against 8 and 10
+    drain(s, by_output_index)
+    assert all(r.output_token_ids == [100 + i for i in range(6)] for r in (a, b, c))
+    assert_all_released(s)
+
+
+def test_victim_may_be_the_request_that_needs_the_block():
+    """A low-priority decode that needs a block yields itself rather than evict a more important
+    request that is still prefilling (and needs no block this step)."""
+    s = create_scheduler(block_size=4, num_blocks=4, max_num_batched_tokens=2)
+    s.clock.advance(1)
+    low = create_request(s, "low", 2, max_tokens=10, ignore_eos=True)
+    run_step(s, by_output_index)
+    high = create_request(s, "high", 8, max_tokens=1, ignore_eos=True, arrival_time=0.0)
+    # Each step: one token for low's decode, one for high's prefill. At low's ninth token the
+    # four blocks are taken (low 2, high 2) and low needs a third while high still has room.
+    preempted = []
+    while s.has_unfinished():
+        out, _ = run_step(s, by_output_index)
+        preempted += out.preempted
+    assert preempted and high not in preempted and high.num_preemptions == 0
+    assert low.output_token_ids == [100 + i for i in range(10)]
+    assert_all_released(s)
+
+
+def test_resumed_request_is_not_preempted_again_before_progress():
+    """`late` yields to `early`, resumes (protected) and needs a block again before sampling:
+    this time `early` yields, although it has the better priority and was already scheduled."""
+    s = create_scheduler(block_size=4, num_blocks=4, max_num_batched_tokens=4)
+    early = create_request(s, "early", 7, max_tokens=7, ignore_eos=True)
+    s.clock.advance(1)
+    run_step(s, by_output_index)
+    s.clock.advance(1)
+    run_step(s, by_output_index)
+    late = create_request(s, "late", 7, max_tokens=3, ignore_eos=True)
+    events = []
+    while s.has_unfinished():
+        s.clock.advance(1)
+        protected = {r.request_id for r in s.running if r.protected}
+        running = {r.request_id for r in s.running}
+        out, _ = run_step(s, by_output_index)
+        for victim in out.preempted:
+            events.append((victim.request_id, sorted(protected)))
+            if victim.request_id in protected:
+                assert running <= protected, "a protected request was preempted before the others"
+            if victim is early:
+                assert early not in [r for r, _ in out.scheduled]   # withdrawn from the batch
+    assert events == [("late", []), ("early", ["late"])]
+    assert early.output_token_ids == [100 + i for i in range(7)]
+    assert late.output_token_ids == [100 + i for i in range(3)]
+    assert_all_released(s)
