@@ -12,17 +12,24 @@ blocks tail-first: its last blocks, least likely to be shared, are evicted first
 """
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Iterable, Optional
 
-BlockHash = tuple[int, tuple[int, ...]]   # (parent block hash value, the block's token ids)
+BlockHash = bytes   # 128-bit digest of (parent digest, the block's token ids)
 
 
-def hash_block(parent: Optional[int], token_ids: tuple[int, ...]) -> tuple[int, BlockHash]:
-    """Hash of a full block chained on its parent's; the key keeps the tokens so lookups are exact."""
-    key = (parent if parent is not None else 0, token_ids)
-    return hash(key), key
+def hash_block(parent: Optional[bytes], token_ids: tuple[int, ...]) -> tuple[bytes, BlockHash]:
+    """Hash of a full block chained on its parent's (BLAKE2b-128 over the parent digest and the
+    tokens as int64): two different token prefixes share a key only with probability ~2^-128,
+    so a cache hit always holds exactly the KV of the same tokens. Returns (value, key); the
+    value is what the next block chains on (here the same digest)."""
+    h = hashlib.blake2b(parent or b"", digest_size=16)
+    h.update(array("q", token_ids).tobytes())
+    digest = h.digest()
+    return digest, digest
 
 
 @dataclass
@@ -30,7 +37,7 @@ class Block:
     block_id: int
     ref_cnt: int = 0
     hash_key: Optional[BlockHash] = None   # set while the block is in the prefix cache
-    hash_value: Optional[int] = None
+    hash_value: Optional[bytes] = None
 
 
 class BlockPool:
@@ -90,7 +97,7 @@ class BlockPool:
                     self._evict(b)
                 self._free[b.block_id] = b
 
-    def cache(self, block: Block, value: int, key: BlockHash) -> None:
+    def cache(self, block: Block, value: bytes, key: BlockHash) -> None:
         """Register a full, computed block in the prefix cache (first writer wins)."""
         if not self.enable_caching or block.hash_key is not None:
             return

@@ -61,7 +61,7 @@ class Request:
         self.status = RequestStatus.WAITING
         self.stop_reason: Optional[int | str] = None
         self.blocks: list[Block] = []
-        self.block_hashes: list[tuple[int, BlockHash]] = []   # of full blocks of all_token_ids
+        self.block_hashes: list[tuple[bytes, BlockHash]] = []   # of full blocks of all_token_ids
         self.num_cached_blocks = 0             # leading blocks registered in the prefix cache
         self.num_preemptions = 0
         self.protected = False                 # resumed after preemption and made no progress yet
