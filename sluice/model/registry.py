@@ -1,6 +1,7 @@
 """Architecture name (config.json `architectures[0]`) -> model class factory."""
 from __future__ import annotations
 
+import importlib
 from typing import Callable
 
 from torch import nn
@@ -20,13 +21,22 @@ def register_model(*architectures: str):
     return deco
 
 
-def _llama(cfg: ModelConfig, backend: AttentionBackend) -> nn.Module:
-    from sluice.model.llama import LlamaForCausalLM
+def _lazy(module: str, cls: str) -> ModelFactory:
+    """A factory that imports the architecture's module only when a model of it is built."""
+    def factory(cfg: ModelConfig, backend: AttentionBackend) -> nn.Module:
+        return getattr(importlib.import_module(module), cls)(cfg, backend)
+    return factory
 
-    return LlamaForCausalLM(cfg, backend)
 
-
-register_model("LlamaForCausalLM", "MistralForCausalLM")(_llama)
+for _module, _cls, _archs in [
+    ("sluice.model.llama", "LlamaForCausalLM", ("LlamaForCausalLM", "MistralForCausalLM")),
+    ("sluice.model.qwen", "Qwen2ForCausalLM", ("Qwen2ForCausalLM",)),
+    ("sluice.model.qwen", "Qwen3ForCausalLM", ("Qwen3ForCausalLM",)),
+    ("sluice.model.qwen", "Qwen3MoeForCausalLM", ("Qwen3MoeForCausalLM",)),
+    ("sluice.model.mixtral", "MixtralForCausalLM", ("MixtralForCausalLM",)),
+    ("sluice.model.glm4_moe", "Glm4MoeForCausalLM", ("Glm4MoeForCausalLM",)),
+]:
+    register_model(*_archs)(_lazy(_module, _cls))
 
 
 def supported_architectures() -> list[str]:
