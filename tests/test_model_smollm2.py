@@ -1,0 +1,315 @@
+"""SmolLM2-135M-Instruct (Q4_1 GGUF) through the real engine against transformers.
+
+transformers dequantizes the same GGUF with its own loader and is the reference: its greedy
+continuation (`generate(do_sample=False)`, each prompt alone) must equal sluice's token for
+token in float32, whether a prompt runs alone, in a mixed batch, after a prefix-cache hit, in
+64-token prefill chunks interleaved with decodes, or after being preempted and recomputed.
+
+float32 logprobs: within 5e-4 of transformers' log-softmax. The two stacks dequantize the
+same blocks and run the same float32 math in a different order (fused projections, paged
+SDPA, rotary from a table); through 30 layers that moves logprobs by ~3e-5 (measured), while
+a real defect (a wrong rope, a misplaced KV slot, a stale cache block) moves them by O(0.1-1).
+
+bfloat16: every matmul rounds to 8 mantissa bits, and the logits themselves are bf16, so
+near the top of the distribution (logits of 8-32) they move in steps of 0.0625-0.125 and exact
+ties are common. Measured on these prompts: either stack's bf16 next-token logprobs sit
+0.04-0.23 nats from float32; sluice-bf16 and transformers-bf16 each fork from the float32
+greedy path on about a third of prompts (at different places), and from each other at gaps of
+0 (exact ties), 0.125 and 0.44 nats. The criterion:
+(1) first generated token: sluice's top logprobs within 0.5 nats of transformers-bf16's;
+(2) sluice-bf16 no less accurate than transformers-bf16, both measured at the first token
+    against transformers-fp32 (mean over prompts; 1.5x slack, as 9 prompts are a noisy mean);
+(3) every continuation equals transformers-bf16's up to a fork where transformers itself sees
+    a near-tie: sluice's pick at most 0.75 nats (a few bf16 ulps of a logit) below its own;
+(4) at least 6 of the 9 continuations identical end to end, where a fork at an exact bf16 tie
+    in transformers' logits (its pick is then just the lower token id) counts as identical.
+A real bf16 defect (low-precision norm or rotary, a cache of the wrong dtype) fails (1)/(2)
+by a wide margin; one that only shifts some logits by a nat or more fails (3).
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from sluice.engine import llm_engine
+from sluice.llm import LLM
+from sluice.model import gguf_loader
+from sluice.sampling_params import SamplingParams
+
+try:
+    from sluice.model.default import ensure_default_model
+    MODEL = ensure_default_model()
+except Exception:  # noqa: BLE001 -- the default-model helper is optional here
+    MODEL = Path("/root/.cache/sluice/models/SmolLM2-135M-Instruct.Q4_1.gguf")
+
+pytestmark = pytest.mark.skipif(not Path(MODEL).is_file(), reason=f"{MODEL} is not available")
+
+MAX_TOKENS = 24
+FP32_LOGPROB_ATOL = 5e-4
+BF16_LOGPROB_ATOL = 0.5
+BF16_ERROR_SLACK = 1.5
+BF16_NEAR_TIE = 0.75
+BF16_MIN_EXACT = 6
+
+DOC = (
+    "The lighthouse on Gull Island was built in 1871 by the engineer Margaret Ellison, who designed "
+    "its spiral stair of cast iron so that it could be carried to the island in pieces by rowing boat. "
+    "For sixty years the light was kept by the Harlow family: first Thomas Harlow, a retired fisherman, "
+    "then his daughter Ada, who kept a logbook of every ship that passed, and finally Ada's son Peter. "
+    "In the winter of 1923 a storm tore the lantern glass from its frame, and Peter kept a paraffin lamp "
+    "burning in the gallery for nine nights until a supply ship could reach the island with new panes. "
+    "The light was converted to electricity in 1953, and the last keeper left in 1987 when the station "
+    "became fully automatic. Today the keeper's cottage is a small museum. Visitors can read Ada's "
+    "logbooks, which record more than twelve thousand ships, climb the ninety-one steps of Ellison's "
+    "stair, and look out over the reef that wrecked the steamer Corinth in 1868, the disaster that "
+    "persuaded the harbour board to build the light in the first place. The island is reached by a "
+    "ferry that runs twice a day in summer and not at all in winter, when the crossing is too rough."
+)
+_DOC_SYSTEM = "You answer questions about this document.\n\n" + DOC
+
+
+def _chat(*turns: str, system: str | None = None) -> list[dict]:
+    msgs = [{"role": "system", "content": system}] if system else []
+    roles = ("user", "assistant")
+    return msgs + [{"role": roles[i % 2], "content": t} for i, t in enumerate(turns)]
+
+
+FRANCE = _chat("What is the capital of France?")
+# Chat conversations (templated) and raw text prompts of 1 to 300 tokens.
+PROMPTS: dict[str, list[dict] | str] = {
+    "france": FRANCE,
+    "tips": _chat("Give me three tips for staying focused while studying.", system="You are a concise assistant."),
+    "multi_turn": _chat("Hi! Can you help me with some math?", "Of course! What do you need?", "What is 12 times 7?"),
+    "long": _chat("Summarize the document in one sentence.", system=_DOC_SYSTEM),
+    "fox": "The quick brown fox",
+    "code": 'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n',
+    "story": "Once upon a time, in a small village by the sea, there lived",
+    "numbers": "1, 2, 3, 5, 8, 13,",
+    "hello": "Hello",  # one token: its prefill is a single-token query
+}
+# Later questions on the same document share LONG's ~300-token prefix.
+PREFIX_FOLLOWUPS = [_chat("Who designed the lighthouse?", system=_DOC_SYSTEM),
+                    _chat("What happened in the winter of 1923?", system=_DOC_SYSTEM)]
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+GREEDY_LP = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=5)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    """The CPUs are shared: one intra-op thread avoids OpenMP spin-waits on a loaded machine."""
+    prev = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(prev)
+
+
+@pytest.fixture(scope="module")
+def make_llm():
+    """`make_llm(**LLM kwargs)`: engines with their own caches and schedulers that share one
+    loaded copy of the weights per dtype (the model holds no per-engine state)."""
+    loaded, opened = {}, {}
+    real_load, real_read = llm_engine.load_model, gguf_loader.read_gguf
+
+    def load_once(path, cfg, dtype, backend):
+        key = (str(path), dtype, type(backend))
+        if key not in loaded:
+            loaded[key] = real_load(path, cfg, dtype, backend)
+        return loaded[key]
+
+    def read_once(path):  # the config, the tokenizer and the weights each open the file
+        if str(path) not in opened:
+            opened[str(path)] = real_read(path)
+        return opened[str(path)]
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(llm_engine, "load_model", load_once)
+        mp.setattr(gguf_loader, "read_gguf", read_once)
+        yield lambda **kw: LLM(str(MODEL), **{"max_model_len": 512, **kw})
+
+
+@pytest.fixture(scope="module")
+def llm(make_llm) -> LLM:
+    """float32, no prefix caching: each prompt computed from scratch."""
+    return make_llm(dtype="float32", kv_cache_tokens=4096, enable_prefix_caching=False)
+
+
+@dataclass
+class Reference:
+    model: torch.nn.Module
+    cache: dict = field(default_factory=dict)
+
+    def __call__(self, ids: list[int]) -> tuple[list[int], torch.Tensor]:
+        """transformers' greedy continuation of `ids` alone and its per-step log-softmax
+        [steps, vocab], memoized."""
+        key = tuple(ids)
+        if key not in self.cache:
+            t = torch.tensor([ids])
+            with torch.no_grad():
+                out = self.model.generate(t, attention_mask=torch.ones_like(t), do_sample=False,
+                                          max_new_tokens=MAX_TOKENS, output_logits=True,
+                                          return_dict_in_generate=True)
+            self.cache[key] = (out.sequences[0, len(ids):].tolist(),
+                               torch.log_softmax(torch.cat(out.logits).float(), dim=-1))
+        return self.cache[key]
+
+    def first_step(self, ids: list[int]) -> torch.Tensor:
+        """Log-softmax [vocab] of the token after `ids` (from the memo when it has it)."""
+        if tuple(ids) in self.cache:
+            return self.cache[tuple(ids)][1][0]
+        with torch.no_grad():
+            return torch.log_softmax(self.model(torch.tensor([ids])).logits[0, -1].float(), dim=-1)
+
+
+@pytest.fixture(scope="module")
+def hf_fp32():
+    return AutoModelForCausalLM.from_pretrained(MODEL.parent, gguf_file=MODEL.name, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def ref(hf_fp32) -> Reference:
+    return Reference(hf_fp32)
+
+
+def encode(llm: LLM, prompt) -> list[int]:
+    if isinstance(prompt, str):
+        return llm.tokenizer.encode(prompt)
+    return llm.tokenizer.encode(llm.tokenizer.apply_chat_template(prompt, add_generation_prompt=True),
+                                add_special_tokens=False)
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(llm) -> dict[str, list[int]]:
+    return {name: encode(llm, p) for name, p in PROMPTS.items()}
+
+
+def assert_same_as_reference(ref: Reference, ids: list[int], out, name: str = "") -> None:
+    expected, ref_lp = ref(ids)
+    comp = out.outputs[0]
+    assert comp.token_ids == expected, f"{name}: sluice {comp.token_ids} != transformers {expected}"
+    if comp.logprobs is not None:
+        for step, lps in enumerate(comp.logprobs):
+            tids = list(lps)
+            got = torch.tensor([lps[t].logprob for t in tids])
+            torch.testing.assert_close(got, ref_lp[step, tids], atol=FP32_LOGPROB_ATOL, rtol=0,
+                                       msg=lambda m, step=step: f"{name} step {step}: {m}")
+
+
+def assert_drained(llm: LLM) -> None:
+    llm.engine.scheduler.check_invariants()
+    assert llm.engine.stats().kv_blocks_used == 0
+
+
+# --- float32: token for token --------------------------------------------------------------
+def test_prompt_mix(prompt_ids):
+    lens = {n: len(ids) for n, ids in prompt_ids.items()}
+    assert lens["hello"] == 1 and lens["long"] >= 300, lens
+
+
+def test_capital_of_france(llm, ref):
+    out = llm.chat(FRANCE, GREEDY)
+    assert "Paris" in out.outputs[0].text
+    assert_same_as_reference(ref, encode(llm, FRANCE), out, "france")
+
+
+def test_each_prompt_alone(llm, ref, prompt_ids):
+    for name, ids in prompt_ids.items():
+        [out] = llm.generate([ids], GREEDY)
+        assert_same_as_reference(ref, ids, out, name)
+    assert_drained(llm)
+
+
+def test_mixed_batch_with_logprobs(llm, ref, prompt_ids):
+    names = list(prompt_ids)
+    outs = llm.generate([prompt_ids[n] for n in names], GREEDY_LP)
+    for name, out in zip(names, outs):
+        assert_same_as_reference(ref, prompt_ids[name], out, name)
+    assert_drained(llm)
+
+
+def test_prefix_cache_hit(make_llm, ref, prompt_ids):
+    cached = make_llm(dtype="float32", kv_cache_tokens=4096, enable_prefix_caching=True)
+    followups = [encode(cached, p) for p in PREFIX_FOLLOWUPS]
+    shared = next(i for i, (a, b) in enumerate(zip(prompt_ids["long"], followups[0])) if a != b)
+    assert shared >= 280
+    [first] = cached.generate([prompt_ids["long"]], GREEDY)
+    assert_same_as_reference(ref, prompt_ids["long"], first, "long")
+    outs = cached.generate(followups, GREEDY)
+    for i, (ids, out) in enumerate(zip(followups, outs)):
+        assert out.num_cached_tokens >= shared - cached.engine.config.cache.block_size, out.num_cached_tokens
+        assert_same_as_reference(ref, ids, out, f"followup {i}")
+    assert_drained(cached)
+
+
+def test_chunked_prefill_interleaved_with_decodes(make_llm, ref, prompt_ids):
+    chunked = make_llm(dtype="float32", kv_cache_tokens=4096, max_num_batched_tokens=64,
+                       enable_prefix_caching=False)
+    steps = []
+    schedule = chunked.engine.scheduler.schedule
+
+    def spy():
+        out = schedule()
+        steps.append([(r.num_output_tokens > 0, r.num_computed_tokens, n, r.num_tokens) for r, n in out.scheduled])
+        return out
+
+    chunked.engine.scheduler.schedule = spy
+    names = list(prompt_ids)
+    outs = chunked.generate([prompt_ids[n] for n in names], GREEDY)
+    for name, out in zip(names, outs):
+        assert_same_as_reference(ref, prompt_ids[name], out, name)
+    mixed = [s for s in steps
+             if any(dec for dec, *_ in s) and any(not dec and c + n < total for dec, c, n, total in s)]
+    assert mixed, "some step should run decodes next to an unfinished prefill chunk"
+    assert any(not dec and c > 0 for s in steps for dec, c, n, _ in s), "some prefill should resume mid-prompt"
+    assert_drained(chunked)
+
+
+def test_preemption(make_llm, ref, prompt_ids):
+    # 448 tokens of cache (28 blocks) for ~700 tokens of prompts (491) and outputs.
+    tight = make_llm(dtype="float32", kv_cache_tokens=448, max_model_len=448, enable_prefix_caching=True)
+    names = list(prompt_ids)
+    outs = tight.generate([prompt_ids[n] for n in names], GREEDY)
+    assert tight.engine.stats().num_preemptions > 0
+    for name, out in zip(names, outs):
+        assert_same_as_reference(ref, prompt_ids[name], out, name)
+    assert_drained(tight)
+
+
+# --- bfloat16: the same up to near-ties ----------------------------------------------------
+def test_bfloat16_matches_transformers_bfloat16(make_llm, hf_fp32, ref, prompt_ids):
+    bf16 = make_llm(dtype="bfloat16", kv_cache_tokens=4096, enable_prefix_caching=False)
+    ref16 = Reference(copy.deepcopy(hf_fp32).to(torch.bfloat16))
+    names = list(prompt_ids)
+    outs = bf16.generate([prompt_ids[n] for n in names], GREEDY_LP)
+    exact, report, err_sluice, err_hf = 0, [], [], []
+    for name, out in zip(names, outs):
+        ids, comp = prompt_ids[name], out.outputs[0]
+        expected, lp16 = ref16(ids)
+        lp32 = ref.first_step(ids)
+        tids = list(comp.logprobs[0])
+        got = torch.tensor([comp.logprobs[0][t].logprob for t in tids])
+        pair = (got - lp16[0, tids]).abs().max().item()
+        err_sluice.append((got - lp32[tids]).abs().max().item())
+        err_hf.append((lp16[0, tids] - lp32[tids]).abs().max().item())
+        line = f"{name}: |sluice-hf| {pair:.3f}, vs fp32: sluice {err_sluice[-1]:.3f} hf {err_hf[-1]:.3f}"
+        assert pair <= BF16_LOGPROB_ATOL, line
+        k = next((i for i, (a, b) in enumerate(zip(comp.token_ids, expected)) if a != b), None)
+        if k is None:
+            assert comp.token_ids == expected, f"{name}: {comp.token_ids} vs {expected}"
+            exact += 1
+        else:
+            gap = (lp16[k, expected[k]] - lp16[k, comp.token_ids[k]]).item()
+            line += f"; forks at step {k}, {gap:.3f} nats below transformers' pick"
+            assert gap <= BF16_NEAR_TIE, line
+            exact += gap == 0.0
+        report.append(line)
+    mean_sluice, mean_hf = sum(err_sluice) / len(names), sum(err_hf) / len(names)
+    print("\n".join(report))  # shown with -rP or on failure
+    assert mean_sluice <= BF16_ERROR_SLACK * mean_hf, report
+    assert exact >= BF16_MIN_EXACT, report
+    assert_drained(bf16)

@@ -1,0 +1,266 @@
+"""Random-weight tiny Llamas: sluice against transformers, through the real engine.
+
+Each variant is built with transformers, saved as safetensors with a word-level tokenizer, and
+loaded by `LLM(folder)`. Checked: full-vocab logits of the model over a prefill split into
+chunks plus a decode, the engine's greedy tokens and logprobs alone, batched, on a prefix-cache
+hit, with chunked prefill and under preemption.
+
+Tolerance: float32 logits and logprobs within 1e-4 absolute. Both sides compute the same
+float32 math in a different order (fused QKV and gate/up projections, rotary in a table,
+paged SDPA); the largest difference measured over all variants is 3e-5, so 1e-4 is loose
+enough to be stable and tight enough that a wrong rope frequency, a missing bias or a
+misplaced head (all O(0.1) or more) cannot pass.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import torch
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import models, pre_tokenizers
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from sluice.attention import AttentionMetadata
+from sluice.llm import LLM
+from sluice.sampling_params import SamplingParams
+
+VOCAB = 512
+ATOL = 1e-4
+MAX_TOKENS = 16
+BOS, EOS = 1, 2
+
+
+@dataclass(frozen=True)
+class Variant:
+    name: str
+    config: dict = field(default_factory=dict)       # LlamaConfig overrides
+    legacy_rope: bool = False                         # rewrite config.json the transformers-4 way
+
+
+_LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+           # small, so the scaled and smoothed bands both fall inside the tested positions
+           "original_max_position_embeddings": 64}
+
+VARIANTS = [
+    Variant("gqa_untied", {"num_key_value_heads": 2}),
+    Variant("mha_tied", {"num_key_value_heads": 4, "tie_word_embeddings": True}),
+    Variant("bias", {"num_key_value_heads": 2, "attention_bias": True, "mlp_bias": True}),
+    Variant("head_dim_32", {"num_key_value_heads": 2, "head_dim": 32}),
+    Variant("llama3_rope", {"num_key_value_heads": 2, "rope_parameters": {**_LLAMA3, "rope_theta": 10000.0}}),
+    Variant("linear_rope", {"num_key_value_heads": 1, "rope_parameters": {"rope_type": "linear", "factor": 2.0,
+                                                                          "rope_theta": 10000.0}}),
+    Variant("legacy_rope_theta", {"num_key_value_heads": 2,
+                                  "rope_parameters": {"rope_type": "default", "rope_theta": 50000.0}},
+            legacy_rope=True),
+    Variant("legacy_llama3", {"num_key_value_heads": 2, "rope_parameters": {**_LLAMA3, "rope_theta": 50000.0}},
+            legacy_rope=True),
+]
+
+_g = torch.Generator().manual_seed(1234)
+PROMPTS = [torch.randint(3, VOCAB, (n,), generator=_g).tolist() for n in (5, 17, 40, 90)]
+_PREFIX = torch.randint(3, VOCAB, (48,), generator=_g).tolist()     # three 16-token blocks
+PREFIX_PROMPTS = [_PREFIX + torch.randint(3, VOCAB, (n,), generator=_g).tolist() for n in (3, 9, 20)]
+# Two blocks each: together they fill the 8-block tight cache, and each needs a third block
+# within a few decode steps, so some must be preempted and recomputed.
+TIGHT_PROMPTS = [torch.randint(3, VOCAB, (n,), generator=_g).tolist() for n in (30, 27, 31, 29)]
+PARAMS = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=5)
+
+
+def _randomize(model: LlamaForCausalLM, seed: int) -> None:
+    """Weights with O(1) activations and well separated logits (the default 0.02 init makes the
+    next-token distribution nearly flat, so greedy would hinge on 1e-6 differences)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=g)
+            if "norm" in name:
+                p.copy_(1.0 + 0.2 * noise)
+            elif name.endswith("bias"):
+                p.copy_(0.2 * noise)
+            elif "embed_tokens" in name:
+                p.copy_(noise)
+            else:
+                p.copy_(noise * 1.5 / p.shape[1] ** 0.5)
+
+
+def _write_tokenizer(folder: Path) -> None:
+    vocab = {"<unk>": 0, "<s>": BOS, "</s>": EOS, **{f"w{i}": i for i in range(3, VOCAB)}}
+    tok = HFTokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.add_special_tokens(["<unk>", "<s>", "</s>"])
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "add_bos_token": False}))
+
+
+def _legacy_rope(folder: Path) -> None:
+    """Spell the rope settings as transformers 4 did: top-level rope_theta (+ rope_scaling)."""
+    path = folder / "config.json"
+    cfg = json.loads(path.read_text())
+    rope = dict(cfg.pop("rope_parameters"))
+    cfg["rope_theta"] = rope.pop("rope_theta")
+    if rope.get("rope_type") != "default":
+        cfg["rope_scaling"] = rope
+    path.write_text(json.dumps(cfg, indent=2))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    """The CPUs are shared: one intra-op thread avoids OpenMP spin-waits on a loaded machine."""
+    prev = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(prev)
+
+
+@dataclass
+class Setup:
+    variant: Variant
+    hf: LlamaForCausalLM
+    llm: LLM              # block 16, prefix caching
+    chunked: LLM          # block 32, a 24-token step budget, no prefix caching
+    tight: LLM            # a 128-token (8-block) KV cache
+    refs: dict = field(default_factory=dict)
+
+    def reference(self, prompt: list[int]) -> tuple[list[int], torch.Tensor]:
+        """transformers' greedy tokens and per-step log-softmax [steps, vocab], memoized."""
+        key = tuple(prompt)
+        if key not in self.refs:
+            ids = torch.tensor([prompt])
+            with torch.no_grad():
+                out = self.hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                       max_new_tokens=MAX_TOKENS, output_logits=True,
+                                       return_dict_in_generate=True, pad_token_id=EOS)
+            tokens = out.sequences[0, len(prompt):].tolist()
+            logprobs = torch.log_softmax(torch.cat(out.logits).float(), dim=-1)
+            self.refs[key] = tokens, logprobs
+        return self.refs[key]
+
+
+@pytest.fixture(scope="module", params=VARIANTS, ids=[v.name for v in VARIANTS])
+def setup(request, tmp_path_factory) -> Setup:
+    v: Variant = request.param
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      vocab_size=VOCAB, max_position_embeddings=512, rms_norm_eps=1e-5,
+                      bos_token_id=BOS, eos_token_id=EOS, **v.config)
+    hf = LlamaForCausalLM(cfg).eval()
+    _randomize(hf, seed=VARIANTS.index(v))
+    folder = tmp_path_factory.mktemp(v.name)
+    hf.save_pretrained(folder)   # safetensors
+    if v.legacy_rope:
+        _legacy_rope(folder)
+    _write_tokenizer(folder)
+    common = dict(dtype="float32", max_model_len=256)
+    return Setup(
+        variant=v,
+        hf=hf,
+        llm=LLM(str(folder), kv_cache_tokens=4096, block_size=16, enable_prefix_caching=True, **common),
+        chunked=LLM(str(folder), kv_cache_tokens=4096, block_size=32, max_num_batched_tokens=24,
+                    enable_prefix_caching=False, **common),
+        tight=LLM(str(folder), dtype="float32", max_model_len=128, kv_cache_tokens=128, block_size=16,
+                  enable_prefix_caching=True),
+    )
+
+
+def _assert_matches(s: Setup, prompt: list[int], out) -> None:
+    ref_tokens, ref_lp = s.reference(prompt)
+    comp = out.outputs[0]
+    assert comp.token_ids == ref_tokens, f"{s.variant.name}: prompt of {len(prompt)} tokens"
+    if comp.logprobs is None:
+        return
+    assert len(comp.logprobs) == len(ref_tokens)
+    for step, (tok, lps) in enumerate(zip(ref_tokens, comp.logprobs)):
+        assert lps[tok].rank == 1
+        ids = list(lps)
+        got = torch.tensor([lps[t].logprob for t in ids])
+        torch.testing.assert_close(got, ref_lp[step, ids], atol=ATOL, rtol=0,
+                                   msg=lambda m, step=step: f"step {step}: {m}")
+
+
+def _drained(llm: LLM) -> None:
+    llm.engine.scheduler.check_invariants()
+    assert llm.engine.stats().kv_blocks_used == 0
+
+
+# --- the model alone -------------------------------------------------------------------------
+def _meta(num_computed: int, n: int, block_size: int, num_blocks: int) -> AttentionMetadata:
+    """One sequence, blocks 0..num_blocks-1 in order, computing positions num_computed..+n."""
+    end = num_computed + n
+    return AttentionMetadata(
+        slot_mapping=torch.arange(num_computed, end, dtype=torch.int64),
+        query_start_loc=torch.tensor([0, n], dtype=torch.int32),
+        seq_lens=torch.tensor([end], dtype=torch.int32),
+        block_tables=torch.arange(num_blocks, dtype=torch.int32)[None],
+        num_decodes=1 if n == 1 else 0,
+        max_query_len=n, max_seq_len=end, query_lens_list=[n], seq_lens_list=[end],
+    )
+
+
+@torch.inference_mode()
+def test_logits_of_chunked_prefill_and_decode(setup):
+    """Full-vocab logits at every position of a 90-token prompt computed as chunks 37 + 52 + 1."""
+    model = setup.llm.engine.runner.model
+    m = setup.llm.engine.config.model
+    prompt = PROMPTS[-1]
+    bs, nb = 16, 8
+    kv = [(torch.zeros(nb, bs, m.num_key_value_heads, m.head_dim), torch.zeros(nb, bs, m.num_key_value_heads,
+                                                                                  m.head_dim))
+          for _ in range(m.num_hidden_layers)]
+    logits = []
+    done = 0
+    for n in (37, 52, 1):
+        ids = torch.tensor(prompt[done:done + n])
+        hidden = model(ids, torch.arange(done, done + n), kv, _meta(done, n, bs, nb))    # [n, hidden]
+        logits.append(model.compute_logits(hidden))                                        # [n, vocab]
+        done += n
+    got = torch.cat(logits)
+    expected = setup.hf(torch.tensor([prompt])).logits[0]
+    assert got.shape == expected.shape == (len(prompt), VOCAB)
+    torch.testing.assert_close(got, expected, atol=ATOL, rtol=0)
+
+
+# --- through the engine ----------------------------------------------------------------------
+def test_greedy_alone(setup):
+    for prompt in PROMPTS:
+        [out] = setup.llm.generate([prompt], PARAMS)
+        _assert_matches(setup, prompt, out)
+    _drained(setup.llm)
+
+
+def test_greedy_batched(setup):
+    outs = setup.llm.generate(PROMPTS, PARAMS)
+    for prompt, out in zip(PROMPTS, outs):
+        _assert_matches(setup, prompt, out)
+    _drained(setup.llm)
+
+
+def test_greedy_with_prefix_cache_hit(setup):
+    first, *rest = PREFIX_PROMPTS
+    [out] = setup.llm.generate([first], PARAMS)
+    _assert_matches(setup, first, out)
+    outs = setup.llm.generate(rest, PARAMS)
+    for prompt, out in zip(rest, outs):
+        assert out.num_cached_tokens >= 48, "the shared three-block prefix should come from the cache"
+        _assert_matches(setup, prompt, out)
+    _drained(setup.llm)
+
+
+def test_greedy_with_chunked_prefill(setup):
+    outs = setup.chunked.generate(PROMPTS + PREFIX_PROMPTS, PARAMS)
+    for prompt, out in zip(PROMPTS + PREFIX_PROMPTS, outs):
+        _assert_matches(setup, prompt, out)
+    _drained(setup.chunked)
+
+
+def test_greedy_under_preemption(setup):
+    llm = setup.tight
+    before = llm.engine.stats().num_preemptions
+    outs = llm.generate(TIGHT_PROMPTS, PARAMS)
+    assert llm.engine.stats().num_preemptions > before, "8 blocks cannot hold 4 sequences of 3 blocks"
+    for prompt, out in zip(TIGHT_PROMPTS, outs):
+        _assert_matches(setup, prompt, out)
+    _drained(llm)
