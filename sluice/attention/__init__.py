@@ -17,8 +17,12 @@ def available_backends() -> list[str]:
 
 
 def create_backend(name: str = "auto") -> AttentionBackend:
+    """`auto` is the compiled "cpu" backend when it builds and passes its self-check on this
+    machine, else "torch" (with a logged warning saying why)."""
     if name == "auto":
-        name = "torch"
+        from sluice.attention.cpu.extension import is_available
+
+        name = "cpu" if is_available() else "torch"
     try:
         return _REGISTRY[name]()
     except KeyError:
@@ -31,6 +35,13 @@ def _torch() -> AttentionBackend:
     return TorchPagedAttention()
 
 
+def _cpu() -> AttentionBackend:
+    from sluice.attention.cpu import CpuPagedAttention
+
+    return CpuPagedAttention()
+
+
 register_backend("torch", _torch)
+register_backend("cpu", _cpu)
 
 __all__ = ["AttentionBackend", "AttentionMetadata", "create_backend", "register_backend", "available_backends"]

@@ -1,0 +1,612 @@
+// Paged attention for x86 CPUs with AVX-512 (F, BW, VL, BF16), registered as
+// torch.ops.sluice.paged_attention.
+//
+// One call per layer: writes the step's new K/V into the paged cache through slot_mapping, then
+// attends every query token of the flattened batch (decodes and prefill chunks alike) to its
+// sequence's context, reading K/V rows in place through the block table.
+//
+// Work is split into items, run largest first by the threads pulling from an atomic counter:
+//   - a short query (a decode) covers all kv heads of its sequence, when there are enough such
+//     sequences to keep the threads busy: it then reads whole cache rows, in address order;
+//   - otherwise (sequence, kv head, tile of up to 48 / group query tokens).
+// Within an item, the rows of one kv head are (query token, query head of the group) pairs, so
+// each K/V row is loaded and rearranged once per group. Keys are consumed in chunks of 32 with an
+// online softmax in float32 (base 2: scores are pre-multiplied by scale * log2 e). Per chunk:
+//   K: two 16-key tiles transposed so one vector holds a head-dim slice of 16 keys; a score
+//      vector is 16 keys of one row, with no horizontal sums.
+//   V: bfloat16 rows of adjacent keys interleaved into (key j, key j+1) pairs so `vdpbf16ps`
+//      accumulates p_j v_j + p_j+1 v_j+1 (this permutes the head dim inside the accumulator,
+//      undone on output); float32 V rows are used in place with plain FMAs.
+// bfloat16 QK^T and PV use `vdpbf16ps` (bf16 products, float32 sums; the probabilities are
+// rounded to bf16 for PV, as torch's CPU flash attention does); float32 runs in float32 FMAs.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <vector>
+
+#if !(defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512BF16__))
+#error "sluice's CPU paged attention needs AVX-512 F, BW, VL and BF16"
+#endif
+
+namespace {
+
+constexpr int kChunk = 32;     // keys per online-softmax step: two 16-key score vectors
+constexpr int kMaxRows = 48;   // query rows (token x head) per work item
+constexpr int kMaxHeadDim = 128;
+// Below this much work per thread (query rows x keys; ~4 ns each) a step runs on fewer threads:
+// waking a thread costs more than it saves, and far more when the cores are oversubscribed.
+constexpr int64_t kMinCostPerThread = 16384;
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+alignas(64) const float kZeroRow[kMaxHeadDim] = {};  // stands in for keys past the chunk's end
+
+using bf16 = uint16_t;  // raw bfloat16 bits
+
+// 2^x for x <= 0, as 2^round(x) * 2^f with f in [-0.5, 0.5] from a degree-7 Taylor polynomial
+// (truncation error < 1e-8, below float32 rounding). Inputs below -127 come out as (near) zero.
+inline __m512 exp2_ps(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-127.0f));
+  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(x, n);
+  __m512 y = _mm512_set1_ps(1.5252734e-05f);            // ln2^7 / 7!
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(1.5403530e-04f));
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(1.3333558e-03f));
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(9.6181291e-03f));
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(5.5504109e-02f));
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(2.4022651e-01f));
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(6.9314718e-01f));
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(y, n);
+}
+
+// In-place transpose of a 16x16 matrix of 32-bit elements held as 16 row vectors.
+inline void transpose16x16(__m512i r[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  // u[4g + c], 128-bit lane L: element 4L + c of rows 4g .. 4g + 3.
+  __m512i u[16];
+  for (int g = 0; g < 16; g += 4) {
+    u[g + 0] = _mm512_unpacklo_epi64(t[g], t[g + 2]);
+    u[g + 1] = _mm512_unpackhi_epi64(t[g], t[g + 2]);
+    u[g + 2] = _mm512_unpacklo_epi64(t[g + 1], t[g + 3]);
+    u[g + 3] = _mm512_unpackhi_epi64(t[g + 1], t[g + 3]);
+  }
+  // Column 4L + c gathers lane L of u[c], u[4 + c], u[8 + c], u[12 + c].
+  for (int c = 0; c < 4; ++c) {
+    const __m512i x0 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x44);
+    const __m512i x1 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xEE);
+    const __m512i y0 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0x44);
+    const __m512i y1 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0xEE);
+    r[c] = _mm512_shuffle_i32x4(x0, y0, 0x88);
+    r[4 + c] = _mm512_shuffle_i32x4(x0, y0, 0xDD);
+    r[8 + c] = _mm512_shuffle_i32x4(x1, y1, 0x88);
+    r[12 + c] = _mm512_shuffle_i32x4(x1, y1, 0xDD);
+  }
+}
+
+// Calls f.template operator()<N>() for the runtime n in [1, kMax].
+template <int kMax, typename F>
+inline void dispatch_rows(int n, F&& f) {
+  if constexpr (kMax >= 1) {
+    if (n == kMax) {
+      f.template operator()<kMax>();
+    } else {
+      dispatch_rows<kMax - 1>(n, f);
+    }
+  }
+}
+
+// Applies block<N>(first_row) over rows [begin, end) in blocks of kBlock rows.
+template <int kBlock, typename F>
+inline void for_row_blocks(int begin, int end, F&& block) {
+  int r = begin;
+  for (; r + kBlock <= end; r += kBlock) block.template operator()<kBlock>(r);
+  if (r < end) {
+    dispatch_rows<kBlock - 1>(end - r, [&]<int N>() { block.template operator()<N>(r); });
+  }
+}
+
+// Per-dtype pieces of the chunk loop. Each provides:
+//   Q/KT/P buffers, load_q, load_k, scores, store_p, load_v, accumulate, store_out.
+template <typename T, int D>
+struct Ops;
+
+// bfloat16 cache, queries and output.
+template <int D>
+struct Ops<bf16, D> {
+  static constexpr int kPairs = D / 2;    // (d, d+1) pairs per row: the dwords of a bf16 row
+  static constexpr int kVecs = D / 16;    // float32 vectors per accumulator row
+  static constexpr int kPvRows = 24 / kVecs;
+
+  struct Buffers {
+    alignas(64) uint32_t q[kMaxRows][kPairs];        // query rows as bf16 pairs
+    alignas(64) __m512i kt[2][kPairs];               // [key tile][d pair]: that pair of 16 keys
+    alignas(64) __m512i vp[kChunk / 2][kVecs];       // [key pair][vector]: interleaved V rows
+    alignas(64) uint32_t p[kMaxRows][kChunk / 2];    // probabilities as bf16 (key j, key j+1) pairs
+  };
+
+  static void load_q(Buffers& b, int r, const bf16* src) { std::memcpy(b.q[r], src, D * sizeof(bf16)); }
+
+  static void load_k(Buffers& b, const bf16* const* rows) {
+    for (int tile = 0; tile < 2; ++tile) {
+      for (int h = 0; h < D / 32; ++h) {
+        __m512i r[16];
+        for (int j = 0; j < 16; ++j) r[j] = _mm512_loadu_si512(rows[16 * tile + j] + 32 * h);
+        transpose16x16(r);
+        for (int j = 0; j < 16; ++j) b.kt[tile][16 * h + j] = r[j];
+      }
+    }
+  }
+
+  // s[r][0:32] = q_r . k_j over the chunk's keys, for rows [begin, end).
+  static void scores(const Buffers& b, int begin, int end, float (*s)[kChunk]) {
+    for_row_blocks<4>(begin, end, [&]<int N>(int r0) {
+      __m512 acc[N][2][2];  // [row][key tile][even / odd d pair]: independent dependency chains
+      for (int i = 0; i < N; ++i)
+        for (int t = 0; t < 2; ++t) acc[i][t][0] = acc[i][t][1] = _mm512_setzero_ps();
+#pragma GCC unroll 4
+      for (int p = 0; p < kPairs; p += 2) {
+        for (int e = 0; e < 2; ++e) {
+          const __m512i k0 = b.kt[0][p + e], k1 = b.kt[1][p + e];
+          for (int i = 0; i < N; ++i) {
+            const __m512bh qv = (__m512bh)_mm512_set1_epi32(b.q[r0 + i][p + e]);
+            acc[i][0][e] = _mm512_dpbf16_ps(acc[i][0][e], (__m512bh)k0, qv);
+            acc[i][1][e] = _mm512_dpbf16_ps(acc[i][1][e], (__m512bh)k1, qv);
+          }
+        }
+      }
+      for (int i = 0; i < N; ++i)
+        for (int t = 0; t < 2; ++t) _mm512_store_ps(s[r0 + i] + 16 * t, _mm512_add_ps(acc[i][t][0], acc[i][t][1]));
+    });
+  }
+
+  static void store_p(Buffers& b, int r, __m512 p0, __m512 p1) {
+    _mm512_store_si512(b.p[r], (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
+  }
+
+  static void load_v(Buffers& b, const bf16* const* rows, int n) {
+    for (int j = 0; j < n; j += 2) {
+      for (int h = 0; h < D / 32; ++h) {
+        const __m512i a = _mm512_loadu_si512(rows[j] + 32 * h);
+        const __m512i c = _mm512_loadu_si512(rows[j + 1] + 32 * h);
+        b.vp[j / 2][2 * h] = _mm512_unpacklo_epi16(a, c);
+        b.vp[j / 2][2 * h + 1] = _mm512_unpackhi_epi16(a, c);
+      }
+    }
+  }
+
+  // acc[r] = acc[r] * alpha[r] + sum_j p[r][j] v_j over the first n keys of the chunk, r in [begin, end).
+  static void accumulate(const Buffers& b, const bf16* const*, int n, int begin, int end, const float* alpha,
+                         float (*acc)[D]) {
+    const int pairs = (n + 1) / 2;
+    for_row_blocks<kPvRows>(begin, end, [&]<int N>(int r0) {
+      __m512 a[N][kVecs];
+      for (int i = 0; i < N; ++i) {
+        const __m512 scale = _mm512_set1_ps(alpha[r0 + i]);
+        for (int c = 0; c < kVecs; ++c) a[i][c] = _mm512_mul_ps(_mm512_load_ps(acc[r0 + i] + 16 * c), scale);
+      }
+      for (int jp = 0; jp < pairs; ++jp) {
+        for (int i = 0; i < N; ++i) {
+          const __m512bh pp = (__m512bh)_mm512_set1_epi32(b.p[r0 + i][jp]);
+          for (int c = 0; c < kVecs; ++c) a[i][c] = _mm512_dpbf16_ps(a[i][c], pp, (__m512bh)b.vp[jp][c]);
+        }
+      }
+      for (int i = 0; i < N; ++i)
+        for (int c = 0; c < kVecs; ++c) _mm512_store_ps(acc[r0 + i] + 16 * c, a[i][c]);
+    });
+  }
+
+  // Undoes the pair interleave: accumulator vectors 2h (low words) and 2h+1 (high words) hold
+  // d = 32h + 8L + 4s + i at lane 4L + i of vector 2h + s.
+  static void store_out(const float* acc, float inv_l, bf16* dst) {
+    const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+    const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+    const __m512 scale = _mm512_set1_ps(inv_l);
+    for (int h = 0; h < D / 32; ++h) {
+      const __m512 lo = _mm512_load_ps(acc + 32 * h), hi = _mm512_load_ps(acc + 32 * h + 16);
+      const __m512 x0 = _mm512_mul_ps(_mm512_permutex2var_ps(lo, first, hi), scale);
+      const __m512 x1 = _mm512_mul_ps(_mm512_permutex2var_ps(lo, second, hi), scale);
+      _mm512_storeu_si512(dst + 32 * h, (__m512i)_mm512_cvtne2ps_pbh(x1, x0));
+    }
+  }
+};
+
+// float32 cache, queries and output.
+template <int D>
+struct Ops<float, D> {
+  static constexpr int kVecs = D / 16;
+  static constexpr int kPvRows = 24 / kVecs;
+
+  struct Buffers {
+    alignas(64) float q[kMaxRows][D];
+    alignas(64) __m512 kt[2][D];                 // [key tile][d]: that element of 16 keys
+    alignas(64) float p[kMaxRows][kChunk];
+  };
+
+  static void load_q(Buffers& b, int r, const float* src) { std::memcpy(b.q[r], src, D * sizeof(float)); }
+
+  static void load_k(Buffers& b, const float* const* rows) {
+    for (int tile = 0; tile < 2; ++tile) {
+      for (int h = 0; h < D / 16; ++h) {
+        __m512i r[16];
+        for (int j = 0; j < 16; ++j) r[j] = _mm512_loadu_si512(rows[16 * tile + j] + 16 * h);
+        transpose16x16(r);
+        for (int j = 0; j < 16; ++j) b.kt[tile][16 * h + j] = _mm512_castsi512_ps(r[j]);
+      }
+    }
+  }
+
+  static void scores(const Buffers& b, int begin, int end, float (*s)[kChunk]) {
+    for_row_blocks<4>(begin, end, [&]<int N>(int r0) {
+      __m512 acc[N][2][2];
+      for (int i = 0; i < N; ++i)
+        for (int t = 0; t < 2; ++t) acc[i][t][0] = acc[i][t][1] = _mm512_setzero_ps();
+#pragma GCC unroll 4
+      for (int d = 0; d < D; d += 2) {
+        for (int e = 0; e < 2; ++e) {
+          const __m512 k0 = b.kt[0][d + e], k1 = b.kt[1][d + e];
+          for (int i = 0; i < N; ++i) {
+            const __m512 qv = _mm512_set1_ps(b.q[r0 + i][d + e]);
+            acc[i][0][e] = _mm512_fmadd_ps(k0, qv, acc[i][0][e]);
+            acc[i][1][e] = _mm512_fmadd_ps(k1, qv, acc[i][1][e]);
+          }
+        }
+      }
+      for (int i = 0; i < N; ++i)
+        for (int t = 0; t < 2; ++t) _mm512_store_ps(s[r0 + i] + 16 * t, _mm512_add_ps(acc[i][t][0], acc[i][t][1]));
+    });
+  }
+
+  static void store_p(Buffers& b, int r, __m512 p0, __m512 p1) {
+    _mm512_store_ps(b.p[r], p0);
+    _mm512_store_ps(b.p[r] + 16, p1);
+  }
+
+  static void load_v(Buffers&, const float* const*, int) {}
+
+  static void accumulate(const Buffers& b, const float* const* vrows, int n, int begin, int end, const float* alpha,
+                         float (*acc)[D]) {
+    for_row_blocks<kPvRows>(begin, end, [&]<int N>(int r0) {
+      __m512 a[N][kVecs];
+      for (int i = 0; i < N; ++i) {
+        const __m512 scale = _mm512_set1_ps(alpha[r0 + i]);
+        for (int c = 0; c < kVecs; ++c) a[i][c] = _mm512_mul_ps(_mm512_load_ps(acc[r0 + i] + 16 * c), scale);
+      }
+      for (int j = 0; j < n; ++j) {
+        const float* v = vrows[j];
+        for (int i = 0; i < N; ++i) {
+          const __m512 pj = _mm512_set1_ps(b.p[r0 + i][j]);
+          for (int c = 0; c < kVecs; ++c) a[i][c] = _mm512_fmadd_ps(pj, _mm512_loadu_ps(v + 16 * c), a[i][c]);
+        }
+      }
+      for (int i = 0; i < N; ++i)
+        for (int c = 0; c < kVecs; ++c) _mm512_store_ps(acc[r0 + i] + 16 * c, a[i][c]);
+    });
+  }
+
+  static void store_out(const float* acc, float inv_l, float* dst) {
+    const __m512 scale = _mm512_set1_ps(inv_l);
+    for (int c = 0; c < kVecs; ++c) _mm512_storeu_ps(dst + 16 * c, _mm512_mul_ps(_mm512_load_ps(acc + 16 * c), scale));
+  }
+};
+
+struct Problem {
+  int64_t num_heads, num_kv_heads, group, block_size_log2;
+  int64_t q_stride_t, q_stride_h, out_stride_t;  // element strides
+  int64_t cache_row;                             // elements per cache slot: num_kv_heads * head_dim
+  int64_t table_width;
+  const int32_t* query_start;
+  const int32_t* seq_lens;
+  const int32_t* block_tables;
+};
+
+struct WorkItem {
+  int32_t seq;
+  int32_t kv_begin, kv_end;  // kv heads [kv_begin, kv_end)
+  int32_t q_begin, q_end;    // query tokens [q_begin, q_end) of the sequence's chunk
+  int64_t cost;              // query rows x keys
+};
+
+// Attention of one work item. Rows are grouped by kv head, then token, then query head:
+// row r = (kv head kv_begin + r / per_head, token q_begin + (r % per_head) / group, query head
+// group * kv head + r % group) with per_head = tokens * group.
+template <typename T, int D>
+struct ItemRunner {
+  using O = Ops<T, D>;
+  typename O::Buffers b;
+  alignas(64) float s[kMaxRows][kChunk];
+  alignas(64) float acc[kMaxRows][D];
+  float m[kMaxRows], l[kMaxRows], alpha[kMaxRows];
+  int32_t qpos[kMaxRows];
+  int64_t q_offset[kMaxRows], out_offset[kMaxRows];
+  const T* kslots[kChunk];  // the chunk's cache slots at head kv_begin
+  const T* vslots[kChunk];
+  const T* krows[kChunk];   // the same, at the head being computed; zero rows past the chunk's end
+  const T* vrows[kChunk];
+  const float score_scale;  // softmax scale * log2(e): scores in base 2
+
+  explicit ItemRunner(float scale) : score_scale(scale * kLog2e) {}
+
+  void run(const Problem& pb, const WorkItem& it, const T* q, const T* k_cache, const T* v_cache, T* out) {
+    const int g = static_cast<int>(pb.group);
+    const int per_head = (it.q_end - it.q_begin) * g;
+    const int heads = it.kv_end - it.kv_begin;
+    const int rows = heads * per_head;
+    const int32_t first_token = pb.query_start[it.seq];
+    const int32_t context = pb.seq_lens[it.seq] - (pb.query_start[it.seq + 1] - first_token);  // before the chunk
+    for (int r = 0; r < rows; ++r) {
+      const int token = it.q_begin + (r % per_head) / g;
+      const int64_t head = static_cast<int64_t>(it.kv_begin + r / per_head) * g + r % g;
+      q_offset[r] = (first_token + token) * pb.q_stride_t + head * pb.q_stride_h;
+      out_offset[r] = (first_token + token) * pb.out_stride_t + head * D;
+      O::load_q(b, r, q + q_offset[r]);
+      qpos[r] = context + token;
+      m[r] = kNegInf;
+      l[r] = 0.0f;
+    }
+    std::memset(acc, 0, sizeof(float) * D * rows);
+
+    const int32_t* table = pb.block_tables + it.seq * pb.table_width;
+    const int32_t num_keys = context + it.q_end;  // the last row's causal horizon
+    const T* zero = reinterpret_cast<const T*>(kZeroRow);
+    for (int32_t start = 0; start < num_keys; start += kChunk) {
+      const int n = std::min<int32_t>(kChunk, num_keys - start);
+      if (heads == pb.num_kv_heads) touch(pb, table, start, n, k_cache, v_cache);
+      find_slots(pb, table, start, n, k_cache + it.kv_begin * D, v_cache + it.kv_begin * D);
+      for (int j = n; j < kChunk; ++j) krows[j] = vrows[j] = zero;
+      for (int hh = 0; hh < heads; ++hh) {
+        for (int j = 0; j < n; ++j) {
+          krows[j] = kslots[j] + hh * D;
+          vrows[j] = vslots[j] + hh * D;
+        }
+        const int r0 = hh * per_head, r1 = r0 + per_head;
+        O::load_k(b, krows);
+        O::scores(b, r0, r1, s);
+        for (int r = r0; r < r1; ++r) softmax_row(r, std::min(n, qpos[r] - start + 1));
+        O::load_v(b, vrows, n);
+        O::accumulate(b, vrows, n, r0, r1, alpha, acc);
+      }
+    }
+    for (int r = 0; r < rows; ++r) O::store_out(acc[r], 1.0f / l[r], out + out_offset[r]);
+  }
+
+ private:
+  // Calls f(j, run, slot) for the runs of keys [start, start + n) that share a block.
+  template <typename F>
+  static void for_block_runs(const Problem& pb, const int32_t* table, int32_t start, int n, F&& f) {
+    const int32_t block_size = 1 << pb.block_size_log2;
+    for (int j = 0; j < n;) {
+      const int32_t pos = start + j;
+      const int32_t offset = pos & (block_size - 1);
+      const int run = std::min(n - j, block_size - offset);
+      f(j, run, (static_cast<int64_t>(table[pos >> pb.block_size_log2]) << pb.block_size_log2) + offset);
+      j += run;
+    }
+  }
+
+  // Reads the cache rows of keys [start, start + n) once, in address order, with plain loads. The
+  // compute passes then find them in L1/L2. They read each head's slice of a row separately (a
+  // strided pattern the hardware prefetchers serve poorly from memory), so for items that cover
+  // whole rows this sweep makes long decodes ~1.4x faster; software prefetch hints measured no gain.
+  static void touch(const Problem& pb, const int32_t* table, int32_t start, int n, const T* k_cache,
+                    const T* v_cache) {
+    const int64_t row_bytes = pb.cache_row * sizeof(T);
+    __m512i x = _mm512_setzero_si512();
+    for_block_runs(pb, table, start, n, [&](int, int run, int64_t slot) {
+      const char* k = reinterpret_cast<const char*>(k_cache + slot * pb.cache_row);
+      const char* v = reinterpret_cast<const char*>(v_cache + slot * pb.cache_row);
+      for (int64_t o = 0; o < run * row_bytes; o += 64)
+        x = _mm512_or_si512(x, _mm512_or_si512(_mm512_loadu_si512(k + o), _mm512_loadu_si512(v + o)));
+    });
+    asm volatile("" : : "v"(x));  // keep the loads
+  }
+
+  void find_slots(const Problem& pb, const int32_t* table, int32_t start, int n, const T* k_cache,
+                  const T* v_cache) {
+    for_block_runs(pb, table, start, n, [&](int j, int run, int64_t slot) {
+      for (int i = 0; i < run; ++i) {
+        kslots[j + i] = k_cache + (slot + i) * pb.cache_row;
+        vslots[j + i] = v_cache + (slot + i) * pb.cache_row;
+      }
+    });
+  }
+
+  // Online softmax of row r over this chunk's first `valid` keys (the rest are masked).
+  void softmax_row(int r, int valid) {
+    if (valid <= 0) {  // every key of the chunk is in this row's future
+      alpha[r] = 1.0f;
+      O::store_p(b, r, _mm512_setzero_ps(), _mm512_setzero_ps());
+      return;
+    }
+    const uint32_t bits = valid >= 32 ? 0xFFFFFFFFu : (1u << valid) - 1;
+    const __mmask16 m0 = static_cast<__mmask16>(bits), m1 = static_cast<__mmask16>(bits >> 16);
+    const __m512 c = _mm512_set1_ps(score_scale), neg = _mm512_set1_ps(kNegInf);
+    const __m512 s0 = _mm512_mask_mul_ps(neg, m0, _mm512_load_ps(s[r]), c);
+    const __m512 s1 = _mm512_mask_mul_ps(neg, m1, _mm512_load_ps(s[r] + 16), c);
+    const float m_new = std::max(m[r], _mm512_reduce_max_ps(_mm512_max_ps(s0, s1)));
+    alpha[r] = m_new > m[r] ? std::exp2(m[r] - m_new) : 1.0f;
+    const __m512 mv = _mm512_set1_ps(m_new);
+    const __m512 p0 = _mm512_maskz_mov_ps(m0, exp2_ps(_mm512_sub_ps(s0, mv)));
+    const __m512 p1 = _mm512_maskz_mov_ps(m1, exp2_ps(_mm512_sub_ps(s1, mv)));
+    l[r] = l[r] * alpha[r] + _mm512_reduce_add_ps(_mm512_add_ps(p0, p1));
+    m[r] = m_new;
+    O::store_p(b, r, p0, p1);
+  }
+};
+
+struct Plan {
+  std::vector<WorkItem> items;  // most expensive first
+  int threads;
+};
+
+// Threads from the step's total work (see kMinCostPerThread), then items of the two shapes
+// described at the top of the file; decodes cover all kv heads unless that leaves threads idle.
+Plan plan_work(const Problem& pb, int64_t num_seqs, int max_threads) {
+  int64_t total = 0, whole = 0;
+  for (int32_t i = 0; i < num_seqs; ++i) {
+    const int64_t rows = (pb.query_start[i + 1] - pb.query_start[i]) * pb.num_heads;
+    total += rows * pb.seq_lens[i];
+    whole += rows <= kMaxRows;
+  }
+  Plan plan;
+  plan.threads = static_cast<int>(std::clamp<int64_t>(total / kMinCostPerThread, 1, max_threads));
+  const bool group_heads = plan.threads == 1 || whole >= 2 * plan.threads;
+  const int32_t tile = static_cast<int32_t>(std::max<int64_t>(1, kMaxRows / pb.group));
+  const int32_t kv_heads = static_cast<int32_t>(pb.num_kv_heads);
+  for (int32_t i = 0; i < num_seqs; ++i) {
+    const int32_t qlen = pb.query_start[i + 1] - pb.query_start[i];
+    const int32_t context = pb.seq_lens[i] - qlen;
+    if (group_heads && qlen * pb.num_heads <= kMaxRows) {
+      plan.items.push_back({i, 0, kv_heads, 0, qlen, static_cast<int64_t>(qlen) * pb.num_heads * (context + qlen)});
+      continue;
+    }
+    for (int32_t b = 0; b < qlen; b += tile) {
+      const int32_t e = std::min(qlen, b + tile);
+      for (int32_t h = 0; h < kv_heads; ++h)
+        plan.items.push_back({i, h, h + 1, b, e, static_cast<int64_t>(e - b) * pb.group * (context + e)});
+    }
+  }
+  std::stable_sort(plan.items.begin(), plan.items.end(),
+                   [](const WorkItem& a, const WorkItem& b) { return a.cost > b.cost; });
+  plan.threads = std::min<int>(plan.threads, static_cast<int>(plan.items.size()));
+  return plan;
+}
+
+template <typename T, int D>
+void run_attention(const Problem& pb, int64_t num_seqs, const T* q, const T* k_cache, const T* v_cache, T* out,
+                   float scale) {
+  const Plan plan = plan_work(pb, num_seqs, at::get_num_threads());
+  std::atomic<size_t> next{0};
+  auto work = [&](int64_t, int64_t) {
+    auto runner = std::make_unique<ItemRunner<T, D>>(scale);
+    for (size_t i = next.fetch_add(1); i < plan.items.size(); i = next.fetch_add(1))
+      runner->run(pb, plan.items[i], q, k_cache, v_cache, out);
+  };
+  if (plan.threads <= 1) work(0, 1);
+  else at::parallel_for(0, plan.threads, 1, work);
+}
+
+template <typename T>
+void write_kv(const at::Tensor& x, at::Tensor& cache, const int64_t* slots, int64_t num_tokens) {
+  const int64_t kv_heads = cache.size(2), dim = cache.size(3);
+  const T* src = x.data_ptr<T>();
+  T* dst = cache.data_ptr<T>();
+  const int64_t st = x.stride(0), sh = x.stride(1);
+  at::parallel_for(0, num_tokens, 256, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t)
+      for (int64_t h = 0; h < kv_heads; ++h)
+        std::memcpy(dst + (slots[t] * kv_heads + h) * dim, src + t * st + h * sh, dim * sizeof(T));
+  });
+}
+
+void check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cache,
+                  const at::Tensor& v_cache, const at::Tensor& slot_mapping, const at::Tensor& query_start_loc,
+                  const at::Tensor& seq_lens, const at::Tensor& block_tables) {
+  for (const at::Tensor* t : {&q, &k, &v, &k_cache, &v_cache, &slot_mapping, &query_start_loc, &seq_lens, &block_tables})
+    TORCH_CHECK(t->device().is_cpu(), "paged_attention: all tensors must be on the CPU");
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "q, k, v must be [tokens, heads, head_dim]");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(), "caches must be [blocks, block_size, kv_heads, head_dim]");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
+  const auto dtype = k_cache.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "paged_attention supports float32 and bfloat16 caches");
+  for (const at::Tensor* t : {&q, &k, &v, &v_cache})
+    TORCH_CHECK(t->scalar_type() == dtype, "q, k, v and the caches must share one dtype");
+  const int64_t d = q.size(2), kv_heads = k_cache.size(2);
+  TORCH_CHECK(d == 64 || d == 128, "paged_attention supports head_dim 64 and 128");
+  TORCH_CHECK(k_cache.size(3) == d && k.size(2) == d && v.size(2) == d, "head_dim mismatch");
+  TORCH_CHECK(k.size(1) == kv_heads && v.size(1) == kv_heads, "k/v heads must match the cache");
+  TORCH_CHECK(q.size(1) % kv_heads == 0 && q.size(1) / kv_heads <= kMaxRows, "unsupported query/kv head ratio");
+  TORCH_CHECK(k.size(0) == q.size(0) && v.size(0) == q.size(0) && slot_mapping.numel() == q.size(0), "token count mismatch");
+  TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1, "q, k, v need a contiguous head_dim");
+  const int64_t bs = k_cache.size(1);
+  TORCH_CHECK(bs > 0 && (bs & (bs - 1)) == 0, "block_size must be a power of two");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous(), "slot_mapping must be contiguous int64");
+  for (const at::Tensor* t : {&query_start_loc, &seq_lens, &block_tables})
+    TORCH_CHECK(t->scalar_type() == at::kInt && t->is_contiguous(), "metadata index tensors must be contiguous int32");
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == seq_lens.numel() &&
+                  query_start_loc.numel() == seq_lens.numel() + 1, "metadata shape mismatch");
+}
+
+// Out-of-range indices would read or write outside the caches; refuse them up front.
+void check_indices(const Problem& pb, int64_t num_seqs, int64_t num_tokens, const int64_t* slots, int64_t num_blocks) {
+  const int64_t num_slots = num_blocks << pb.block_size_log2;
+  for (int64_t t = 0; t < num_tokens; ++t)
+    TORCH_CHECK(slots[t] >= 0 && slots[t] < num_slots, "slot_mapping entry out of range");
+  TORCH_CHECK(pb.query_start[0] == 0 && pb.query_start[num_seqs] == num_tokens, "query_start_loc must span all tokens");
+  for (int64_t i = 0; i < num_seqs; ++i) {
+    const int64_t qlen = pb.query_start[i + 1] - pb.query_start[i], len = pb.seq_lens[i];
+    TORCH_CHECK(qlen >= 1 && len >= qlen, "each sequence needs 1 <= query_len <= seq_len");
+    const int64_t blocks = (len + (1 << pb.block_size_log2) - 1) >> pb.block_size_log2;
+    TORCH_CHECK(blocks <= pb.table_width, "block table too narrow for seq_len");
+    for (int64_t j = 0; j < blocks; ++j) {
+      const int32_t blk = pb.block_tables[i * pb.table_width + j];
+      TORCH_CHECK(blk >= 0 && blk < num_blocks, "block table entry out of range");
+    }
+  }
+}
+
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache,
+                           at::Tensor v_cache, const at::Tensor& slot_mapping, const at::Tensor& query_start_loc,
+                           const at::Tensor& seq_lens, const at::Tensor& block_tables, double scale) {
+  check_inputs(q, k, v, k_cache, v_cache, slot_mapping, query_start_loc, seq_lens, block_tables);
+  const int64_t num_tokens = q.size(0), num_seqs = seq_lens.numel(), d = q.size(2);
+  Problem pb;
+  pb.num_heads = q.size(1);
+  pb.num_kv_heads = k_cache.size(2);
+  pb.group = pb.num_heads / pb.num_kv_heads;
+  pb.block_size_log2 = __builtin_ctzll(static_cast<uint64_t>(k_cache.size(1)));
+  pb.q_stride_t = q.stride(0);
+  pb.q_stride_h = q.stride(1);
+  pb.out_stride_t = pb.num_heads * d;
+  pb.cache_row = pb.num_kv_heads * d;
+  pb.table_width = block_tables.size(1);
+  pb.query_start = query_start_loc.data_ptr<int32_t>();
+  pb.seq_lens = seq_lens.data_ptr<int32_t>();
+  pb.block_tables = block_tables.data_ptr<int32_t>();
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  check_indices(pb, num_seqs, num_tokens, slots, k_cache.size(0));
+
+  at::Tensor out = at::empty({num_tokens, pb.num_heads, d}, q.options());
+  if (num_tokens == 0) return out;
+  const float s = static_cast<float>(scale);
+  if (q.scalar_type() == at::kBFloat16) {
+    write_kv<c10::BFloat16>(k, k_cache, slots, num_tokens);
+    write_kv<c10::BFloat16>(v, v_cache, slots, num_tokens);
+    auto ptr = [](const at::Tensor& t) { return reinterpret_cast<bf16*>(t.data_ptr<c10::BFloat16>()); };
+    if (d == 64) run_attention<bf16, 64>(pb, num_seqs, ptr(q), ptr(k_cache), ptr(v_cache), ptr(out), s);
+    else run_attention<bf16, 128>(pb, num_seqs, ptr(q), ptr(k_cache), ptr(v_cache), ptr(out), s);
+  } else {
+    write_kv<float>(k, k_cache, slots, num_tokens);
+    write_kv<float>(v, v_cache, slots, num_tokens);
+    auto ptr = [](const at::Tensor& t) { return t.data_ptr<float>(); };
+    if (d == 64) run_attention<float, 64>(pb, num_seqs, ptr(q), ptr(k_cache), ptr(v_cache), ptr(out), s);
+    else run_attention<float, 128>(pb, num_seqs, ptr(q), ptr(k_cache), ptr(v_cache), ptr(out), s);
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(sluice, m) {
+  m.def(
+      "paged_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping, "
+      "Tensor query_start_loc, Tensor seq_lens, Tensor block_tables, float scale) -> Tensor",
+      &paged_attention);
+}
