@@ -6,11 +6,11 @@ STAMP := $(VENV)/.installed
 
 .PHONY: install serve test model clean-venv
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml sluice/attention/cpu/paged_attention.cpp
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet torch==2.13.0
 	$(PY) -m pip install --quiet -e ".[test]"
+	$(PY) -m sluice.attention.cpu.build || echo "cpu attention unavailable; the engine will use the torch backend"
 	touch $(STAMP)
 
 install: $(STAMP)
