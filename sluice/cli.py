@@ -34,7 +34,13 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", default=os.environ.get("SLUICE_API_KEY"))
     p.add_argument("--metrics-require-auth", action="store_true")
     p.add_argument("--max-request-bytes", type=int, default=8 << 20)
-    p.add_argument("--shutdown-timeout", type=float, default=30.0)
+    p.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="SIGTERM: seconds in-flight calls may run while new ones get 503 (default 30)")
+    p.add_argument("--max-n", type=int, default=16, help="bound on a request's n (default 16)")
+    p.add_argument("--max-stop-strings", type=int, default=16)
+    p.add_argument("--max-logprobs", type=int, default=20, help="bound on logprobs / top_logprobs (default 20)")
+    p.add_argument("--log-requests", action="store_true")
+    p.add_argument("--fault-inject-after-steps", type=int, default=None, help=argparse.SUPPRESS)
 
 
 def build_engine_config(args: argparse.Namespace):
@@ -80,6 +86,11 @@ def build_server_config(args: argparse.Namespace):
         metrics_require_auth=args.metrics_require_auth,
         max_request_bytes=args.max_request_bytes,
         shutdown_timeout_s=args.shutdown_timeout,
+        max_n=args.max_n,
+        max_stop_strings=args.max_stop_strings,
+        max_logprobs=args.max_logprobs,
+        log_requests=args.log_requests,
+        fault_inject_after_steps=args.fault_inject_after_steps,
     )
 
 

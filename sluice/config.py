@@ -117,5 +117,12 @@ class ServerConfig:
     max_n: int = 16                       # bound on `n`
     max_stop_strings: int = 16
     max_logprobs: int = 20
-    shutdown_timeout_s: float = 30.0
+    shutdown_timeout_s: float = 30.0      # SIGTERM: how long in-flight calls may run before the exit
     log_requests: bool = False
+    fault_inject_after_steps: Optional[int] = None  # tests only: the engine loop fails after N busy steps
+
+    def __post_init__(self) -> None:
+        if self.max_request_bytes <= 0 or self.max_n < 1 or self.max_stop_strings < 0 or self.max_logprobs < 0:
+            raise ValueError("server bounds must be positive")
+        if self.shutdown_timeout_s < 0:
+            raise ValueError("shutdown_timeout_s must be >= 0")

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -11,6 +12,7 @@ from pathlib import Path
 from typing import Optional
 
 import httpx
+import pytest
 
 
 def free_port() -> int:
@@ -84,3 +86,38 @@ class RemoteServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def scrape_metrics(server: RemoteServer) -> dict[str, float]:
+    """`name{labels}` -> value, for every sample in /metrics."""
+    text = httpx.get(server.url + "/metrics", timeout=10).text
+    samples = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            samples[name] = float(value)
+    return samples
+
+
+def metric(samples: dict[str, float], name: str, **labels: str) -> float:
+    """Sum of the samples of `name` whose labels include `labels`."""
+    total = 0.0
+    for key, value in samples.items():
+        base, _, label_str = key.partition("{")
+        found = dict(re.findall(r'(\w+)="([^"]*)"', label_str))
+        if base == name and all(found.get(k) == v for k, v in labels.items()):
+            total += value
+    return total
+
+
+def wait_until_idle(server: RemoteServer, timeout: float = 20.0) -> dict[str, float]:
+    """Poll until no request is running or waiting and no KV block is in use."""
+    deadline = time.monotonic() + timeout
+    while True:
+        load = httpx.get(server.url + "/load", timeout=10).json()
+        samples = scrape_metrics(server)
+        if load["running"] == 0 and load["waiting"] == 0 and metric(samples, "sluice:kv_cache_blocks_used") == 0:
+            return samples
+        if time.monotonic() > deadline:
+            pytest.fail(f"server still busy after {timeout}s: {load}")
+        time.sleep(0.2)

@@ -3,15 +3,13 @@ driven by the official `openai` client (and httpx where the test needs the raw s
 from __future__ import annotations
 
 import json
-import re
-import time
 from typing import Iterator
 
 import httpx
 import openai
 import pytest
 
-from server_utils import RemoteServer
+from server_utils import RemoteServer, metric, scrape_metrics, wait_until_idle
 
 SERVER_ARGS = ["--max-model-len", "2048", "--kv-cache-tokens", "16384"]
 MESSAGES = [{"role": "user", "content": "Name three colors."}]
@@ -33,41 +31,6 @@ def client(server: RemoteServer) -> openai.OpenAI:
 @pytest.fixture(scope="module")
 def model(client: openai.OpenAI) -> str:
     return client.models.list().data[0].id
-
-
-def scrape_metrics(server: RemoteServer) -> dict[str, float]:
-    """`name{labels}` -> value, for every sample in /metrics."""
-    text = httpx.get(server.url + "/metrics", timeout=10).text
-    samples = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            samples[name] = float(value)
-    return samples
-
-
-def metric(samples: dict[str, float], name: str, **labels: str) -> float:
-    """Sum of the samples of `name` whose labels include `labels`."""
-    total = 0.0
-    for key, value in samples.items():
-        base, _, label_str = key.partition("{")
-        found = dict(re.findall(r'(\w+)="([^"]*)"', label_str))
-        if base == name and all(found.get(k) == v for k, v in labels.items()):
-            total += value
-    return total
-
-
-def wait_until_idle(server: RemoteServer, timeout: float = 20.0) -> dict[str, float]:
-    """Poll until no request is running or waiting and no KV block is in use."""
-    deadline = time.monotonic() + timeout
-    while True:
-        load = httpx.get(server.url + "/load", timeout=10).json()
-        samples = scrape_metrics(server)
-        if load["running"] == 0 and load["waiting"] == 0 and metric(samples, "sluice:kv_cache_blocks_used") == 0:
-            return samples
-        if time.monotonic() > deadline:
-            pytest.fail(f"server still busy after {timeout}s: {load}")
-        time.sleep(0.2)
 
 
 def test_health_and_models(server: RemoteServer, client: openai.OpenAI) -> None:

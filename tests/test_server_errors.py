@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from typing import Any, Iterator, Optional
 
@@ -123,6 +124,30 @@ def test_invalid_json(http: httpx.Client, path: str) -> None:
     assert_openai_error(resp, 400, code="invalid_json")
     assert_openai_error(http.post(path, content=b"[1, 2]"), 400)
     assert_openai_error(http.post(path, content=b"\xff\xfe"), 400)
+
+
+@pytest.mark.parametrize("path", ["/chat/completions", "/completions"])
+def test_invalid_unicode_in_strings(http: httpx.Client, path: str) -> None:
+    """Invalid UTF-8 inside a JSON string, and lone UTF-16 surrogates escaped in valid JSON (which
+    no tokenizer can encode), are the client's error; a surrogate pair is a valid character."""
+    good = chat(messages=[{"role": "user", "content": "TEXT"}]) if path == "/chat/completions" else completion(
+        prompt="TEXT")
+    template = json.dumps(good).encode()
+    for text in (b"caf\xe9", b"\xed\xa0\x80", b"\\ud800", b"x\\udfff", b"\\ude00\\ud83d"):
+        assert_openai_error(http.post(path, content=template.replace(b"TEXT", text)), 400, code="invalid_json")
+    resp = http.post(path, content=template.replace(b"TEXT", b"\\ud83d\\ude00"))
+    assert resp.status_code == 200, resp.text
+
+
+def test_chunked_body_over_the_limit(http: httpx.Client) -> None:
+    """A body sent without Content-Length is cut off at --max-request-bytes as it streams in."""
+    def chunks() -> Iterator[bytes]:
+        yield b'{"prompt": "'
+        for _ in range(MAX_REQUEST_BYTES // 1000 + 1):
+            yield b"x" * 1000
+        yield b'"}'
+
+    assert_openai_error(http.post("/completions", content=chunks()), 413, code="request_too_large")
 
 
 def test_non_finite_numbers(http: httpx.Client) -> None:

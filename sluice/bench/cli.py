@@ -1,10 +1,11 @@
-"""`sluice bench {burst,sustained,compare}`: agent-workflow benchmarks of any OpenAI-compatible
-endpoint (sluice, vLLM, llama.cpp's server)."""
+"""`sluice bench {burst,sustained,compare,soak}`: agent-workflow benchmarks of any OpenAI-compatible
+endpoint (sluice, vLLM, llama.cpp's server), and a soak test of one."""
 from __future__ import annotations
 
 import argparse
 import asyncio
 import datetime as dt
+import json
 import os
 import signal
 import subprocess
@@ -16,6 +17,7 @@ from typing import Any, Optional, Sequence
 from sluice.bench.client import Endpoint
 from sluice.bench.report import compare_table, replot, summary_table, write_compare, write_manifest, write_results
 from sluice.bench.run import BURST, SUSTAINED, RunResult, ScenarioSpec, fetch_model, run_repeats, server_info, wait_ready
+from sluice.bench.soak import SoakConfig, run_soak
 from sluice.bench.workload import FloatRange, History, IntRange, WorkloadConfig
 
 _D = WorkloadConfig()
@@ -133,6 +135,37 @@ def build_parser() -> argparse.ArgumentParser:
     _add_scenario_args(p, None)
     _add_workload_args(p)
     _add_output_args(p)
+    p = sub.add_parser(
+        "soak", epilog=WORKLOAD_HELP, formatter_class=argparse.RawDescriptionHelpFormatter,
+        help="sustained load with client aborts and malformed calls; fails on lost calls, leaks, memory growth",
+        description="Sustained workflow load for --duration seconds with a share of calls abandoned by the "
+                    "client and malformed requests mixed in; then checks that every accepted call completed, "
+                    "every malformed one got a 4xx, no KV block leaked and resident memory stayed within "
+                    "bound. Exit status 0 when all hold.",
+    )
+    p.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8000/v1")
+    p.add_argument("--model", default=None, help="model name (default: first of GET /v1/models)")
+    d = SoakConfig()
+    g = p.add_argument_group("soak")
+    g.add_argument("--duration", type=float, default=d.duration_s, help=f"seconds of admissions (default {d.duration_s:g})")
+    g.add_argument("--concurrency", type=int, default=d.concurrency, help=f"workflow slots (default {d.concurrency})")
+    g.add_argument("--abort-fraction", type=float, default=d.abort_fraction,
+                   help=f"share of calls the client abandons (default {d.abort_fraction:g})")
+    g.add_argument("--abort-within", type=float, default=d.abort_within_s,
+                   help=f"an abandoned call is closed uniformly within this many seconds (default {d.abort_within_s:g})")
+    g.add_argument("--malformed-fraction", type=float, default=d.malformed_fraction,
+                   help=f"chance, before each call, of a malformed request too (default {d.malformed_fraction:g})")
+    g.add_argument("--warmup", type=float, default=d.warmup_s,
+                   help=f"seconds before the memory baseline is taken (default {d.warmup_s:g})")
+    g.add_argument("--max-rss-growth-mib", type=float, default=d.max_rss_growth_mib,
+                   help=f"bound on resident memory growth after the warm-up (default {d.max_rss_growth_mib:g})")
+    g.add_argument("--drain-timeout", type=float, default=d.drain_timeout_s,
+                   help=f"seconds for the server to go idle and free its blocks (default {d.drain_timeout_s:g})")
+    g.add_argument("--timeout", type=float, default=d.call_timeout_s, help="per-call timeout in s")
+    g.add_argument("--report", type=Path, default=None, help="write the report as JSON here")
+    g.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"))
+    g.add_argument("--quiet", action="store_true", help="no progress lines")
+    _add_workload_args(p)
     p = sub.add_parser("plot", help="redraw the plots from results.json files (several: overlaid)")
     p.add_argument("results", type=Path, nargs="+", help="results.json of a run (or of each side)")
     p.add_argument("--out", type=Path, required=True, help="folder for throughput.png and ttft.png")
@@ -289,12 +322,39 @@ def cmd_compare(args: argparse.Namespace, argv: Sequence[str]) -> int:
     return 0
 
 
+def cmd_soak(args: argparse.Namespace) -> int:
+    config = SoakConfig(
+        duration_s=args.duration, concurrency=args.concurrency, abort_fraction=args.abort_fraction,
+        abort_within_s=args.abort_within, malformed_fraction=args.malformed_fraction, warmup_s=args.warmup,
+        max_rss_growth_mib=args.max_rss_growth_mib, drain_timeout_s=args.drain_timeout,
+        call_timeout_s=args.timeout, seed=args.seed,
+    )
+    endpoint = Endpoint.from_url(args.base_url, args.api_key)
+
+    async def run():
+        model = args.model or await fetch_model(endpoint)
+        if model is None:
+            raise SystemExit(f"no --model given and {endpoint.base_url}/models lists none")
+        return await run_soak(endpoint, model, workload_from_args(args), config,
+                              live=None if args.quiet else sys.stderr)
+
+    report = asyncio.run(run())
+    print(report.table())
+    if args.report is not None:
+        args.report.parent.mkdir(parents=True, exist_ok=True)
+        args.report.write_text(json.dumps(report.to_json(), indent=2) + "\n")
+        print(f"report: {args.report}")
+    return 0 if report.passed else 1
+
+
 def main(argv: list[str]) -> int:
     argv = list(argv)
     args = build_parser().parse_args(argv)
     if args.command == "plot":
         _print_kept(replot(args.results, args.out))
         return 0
+    if args.command == "soak":
+        return cmd_soak(args)
     if args.repeats < 1:
         raise SystemExit("--repeats must be at least 1")
     if args.command == "compare":

@@ -1,17 +1,19 @@
 """The HTTP layer: FastAPI app, routes, OpenAI-shaped errors, API-key auth, and `run_server`."""
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import logging
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
+from typing import Any, AsyncIterator, Awaitable, Callable, Optional, TypeVar
 
 import uvicorn
 from fastapi import APIRouter, Depends, FastAPI
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ValidationError
+from pydantic.json_schema import models_json_schema
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -19,6 +21,7 @@ from starlette.responses import JSONResponse, Response
 from sluice.config import EngineConfig, ServerConfig
 from sluice.engine.async_engine import AsyncEngine
 from sluice.engine.errors import EngineError
+from sluice.server.lifecycle import LifecycleMiddleware, Phase, ServerLifecycle, UvicornServer, fail_after_busy_steps
 from sluice.server.metrics import CONTENT_TYPE, ServerMetrics
 from sluice.server.protocol import (
     APIError,
@@ -63,9 +66,29 @@ async def read_json_body(raw_request: Request, max_bytes: int) -> Any:
         if len(body) > max_bytes:
             raise too_large
     try:
-        return json.loads(body)
+        parsed = json.loads(body)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise APIError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from e
+    _check_unicode(parsed)
+    return parsed
+
+
+def _check_unicode(value: Any) -> None:
+    """JSON may escape lone UTF-16 surrogates (`"\\ud800"`), which no tokenizer can encode."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise APIError(400, f"the request body has a string that is not valid Unicode: {e.reason}",
+                               code="invalid_json") from e
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
 
 
 def _validation_error(e: ValidationError | RequestValidationError) -> APIError:
@@ -128,26 +151,33 @@ def _install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(Exception, on_unexpected)
 
 
-def build_app(engine: AsyncEngine, server_config: ServerConfig) -> FastAPI:
+def build_app(
+    engine: AsyncEngine, server_config: ServerConfig, lifecycle: Optional[ServerLifecycle] = None
+) -> FastAPI:
     """The OpenAI-compatible app around `engine`. The app owns the engine's lifecycle: its lifespan
-    starts the engine loop and shuts it down."""
+    starts the engine loop and the `lifecycle` supervisor, and shuts both down."""
     model_name = served_model_name(engine.config.model_path, server_config)
     max_model_len = engine.config.scheduler.max_model_len
     metrics = ServerMetrics(engine.stats, model_name)
     chat = OpenAIServingChat(engine, server_config, model_name, metrics)
     completion = OpenAIServingCompletion(engine, server_config, model_name, metrics)
+    lifecycle = lifecycle or ServerLifecycle(engine, server_config.shutdown_timeout_s)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         await engine.start()
+        supervisor = asyncio.create_task(lifecycle.supervise())
         logger.info("serving %s (max_model_len %d)", model_name, max_model_len)
         try:
             yield
         finally:
+            supervisor.cancel()
             await engine.shutdown()
 
     app = FastAPI(title="sluice", lifespan=lifespan, docs_url=None, redoc_url=None)
     _install_error_handlers(app)
+    app.add_middleware(LifecycleMiddleware, lifecycle=lifecycle)
+    _document_request_bodies(app)
     auth = [Depends(_bearer_auth(server_config.api_key))] if server_config.api_key else []
     v1 = APIRouter(prefix="/v1", dependencies=auth)
 
@@ -163,13 +193,13 @@ def build_app(engine: AsyncEngine, server_config: ServerConfig) -> FastAPI:
         chat.check_model(model_id)
         return model_card()
 
-    @v1.post("/chat/completions")
+    @v1.post("/chat/completions", openapi_extra=_json_body(ChatCompletionRequest))
     async def create_chat_completion(raw_request: Request) -> Response:
         body = await read_json_body(raw_request, server_config.max_request_bytes)
         request = parse_request(ChatCompletionRequest, body)
         return await chat.create_chat_completion(request, raw_request)
 
-    @v1.post("/completions")
+    @v1.post("/completions", openapi_extra=_json_body(CompletionRequest))
     async def create_completion(raw_request: Request) -> Response:
         body = await read_json_body(raw_request, server_config.max_request_bytes)
         request = parse_request(CompletionRequest, body)
@@ -179,15 +209,16 @@ def build_app(engine: AsyncEngine, server_config: ServerConfig) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Response:
-        healthy = engine.is_healthy
-        return JSONResponse({"status": "ok" if healthy else "unhealthy"}, status_code=200 if healthy else 503)
+        """200 while serving; 503 while draining for shutdown or once the engine has failed."""
+        phase = lifecycle.phase if engine.is_healthy else Phase.DEAD
+        return JSONResponse({"status": phase.value}, status_code=200 if phase is Phase.SERVING else 503)
 
     @app.get("/load")
     async def load() -> LoadInfo:
         s = engine.stats()
         return LoadInfo(
             running=s.num_running, waiting=s.num_waiting, waiting_tokens=s.num_waiting_tokens,
-            kv_usage=s.kv_usage, accepting=s.accepting,
+            kv_usage=s.kv_usage, accepting=s.accepting and lifecycle.accepting,
         )
 
     metrics_auth = auth if server_config.metrics_require_auth else []
@@ -199,19 +230,51 @@ def build_app(engine: AsyncEngine, server_config: ServerConfig) -> FastAPI:
     return app
 
 
+def _json_body(model: type[BaseModel]) -> dict[str, Any]:
+    """The OpenAPI `requestBody` of a route that parses its body itself (to bound its size)."""
+    schema = {"$ref": f"#/components/schemas/{model.__name__}"}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
+
+
+def _document_request_bodies(app: FastAPI) -> None:
+    """Adds the request models that `_json_body` refers to to the app's OpenAPI components."""
+    generate = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            spec = generate()
+            _, defs = models_json_schema(
+                [(ChatCompletionRequest, "validation"), (CompletionRequest, "validation")],
+                ref_template="#/components/schemas/{model}",
+            )
+            spec.setdefault("components", {}).setdefault("schemas", {}).update(defs.get("$defs", {}))
+            app.openapi_schema = spec
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
+
+_UVICORN_GRACE_S = 2.0  # after the lifecycle's own wait: connections still open are then cut
+
+
 def run_server(engine_config: EngineConfig, server_config: ServerConfig) -> int:
-    """Load the engine, serve until SIGINT/SIGTERM, return the process exit code."""
+    """Load the engine and serve until drained (SIGTERM/SIGINT: 0) or the engine fails (1)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     engine = AsyncEngine(engine_config)
-    app = build_app(engine, server_config)
-    server = uvicorn.Server(uvicorn.Config(
+    if server_config.fault_inject_after_steps is not None:
+        engine.step_hook = fail_after_busy_steps(engine, server_config.fault_inject_after_steps)
+    lifecycle = ServerLifecycle(engine, server_config.shutdown_timeout_s)
+    app = build_app(engine, server_config, lifecycle)
+    server = UvicornServer(uvicorn.Config(
         app,
         host=server_config.host,
         port=server_config.port,
         lifespan="on",
         access_log=server_config.log_requests,
-        timeout_graceful_shutdown=server_config.shutdown_timeout_s,
-    ))
+        timeout_graceful_shutdown=_UVICORN_GRACE_S,
+    ), lifecycle)
     server.run()
-    return 0 if server.started else 1
-
+    if not server.started:
+        return 1
+    logger.info("exiting with status %d", lifecycle.exit_code)
+    return lifecycle.exit_code

@@ -1,9 +1,11 @@
 """Prometheus metrics for /metrics, under vLLM's names with a `sluice:` prefix.
 
-Two sources feed one per-app registry:
+Three sources feed one per-app registry:
 - engine state (gauges and cumulative counters) is read from `engine.stats()` at scrape time;
 - per-request latencies and finish reasons are observed by the server as outputs stream out
-  (one `RequestRecorder` per engine request).
+  (one `RequestRecorder` per engine request);
+- the process itself (`process_resident_memory_bytes`, CPU seconds, open files), which the soak
+  test reads to bound memory growth.
 """
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ import time
 from typing import Callable, Iterator, Optional
 
 import prometheus_client
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
@@ -79,6 +81,7 @@ class ServerMetrics:
         self.model_name = model_name
         self.registry = CollectorRegistry()
         self.registry.register(_EngineStatsCollector(stats, model_name))
+        ProcessCollector(registry=self.registry)
         labels = ["model_name"]
         self.time_to_first_token = Histogram(
             "sluice:time_to_first_token_seconds", "Time from request arrival to its first output token.",

@@ -23,6 +23,13 @@ from sluice.sampling_params import SamplingParams
 
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
+
+def documented(default: Any = None, **schema: Any) -> Any:
+    """A field whose bounds are stated in the OpenAPI schema (for clients and the fuzz test) but
+    checked where the error message is better: in `SamplingParams` or the serving layer."""
+    return Field(default, json_schema_extra=schema)
+
+
 CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
 
 
@@ -106,24 +113,24 @@ class SamplingRequest(OpenAIRequestModel):
     """Fields shared by /v1/chat/completions and /v1/completions."""
 
     model: Optional[str] = None
-    max_tokens: Optional[int] = None
-    temperature: Optional[float] = None
-    top_p: Optional[float] = None
-    n: Optional[int] = 1
+    max_tokens: Optional[int] = documented(minimum=1)
+    temperature: Optional[float] = documented(minimum=0)
+    top_p: Optional[float] = documented(exclusiveMinimum=0, maximum=1)
+    n: Optional[int] = documented(1, minimum=1)
     stream: Optional[bool] = False
     stream_options: Optional[StreamOptions] = None
     stop: Optional[Union[str, list[str]]] = None
     seed: Optional[int] = Field(None, ge=_INT64_MIN, le=_INT64_MAX)
-    presence_penalty: Optional[float] = None
-    frequency_penalty: Optional[float] = None
+    presence_penalty: Optional[float] = documented(minimum=-2, maximum=2)
+    frequency_penalty: Optional[float] = documented(minimum=-2, maximum=2)
     user: Optional[str] = None
     logit_bias: Optional[dict[str, float]] = None
     # Engine extensions (vLLM names).
     ignore_eos: Optional[bool] = False
-    min_tokens: Optional[int] = 0
-    top_k: Optional[int] = None
-    min_p: Optional[float] = None
-    repetition_penalty: Optional[float] = None
+    min_tokens: Optional[int] = documented(0, minimum=0)
+    top_k: Optional[int] = documented(minimum=-1)
+    min_p: Optional[float] = documented(minimum=0, maximum=1)
+    repetition_penalty: Optional[float] = documented(exclusiveMinimum=0)
     stop_token_ids: Optional[list[int]] = None
     include_stop_str_in_output: Optional[bool] = False
     skip_special_tokens: Optional[bool] = True
@@ -169,12 +176,12 @@ class SamplingRequest(OpenAIRequestModel):
 
 
 class ContentPart(OpenAIRequestModel):
-    type: str
+    type: str = documented(..., enum=["text"])
     text: Optional[str] = None
 
 
 class ChatMessage(OpenAIRequestModel):
-    role: str
+    role: str = documented(..., enum=sorted(CHAT_ROLES))
     content: Optional[Union[str, list[ContentPart]]] = None
     name: Optional[str] = None
 
@@ -214,10 +221,10 @@ class ChatMessage(OpenAIRequestModel):
 
 
 class ChatCompletionRequest(SamplingRequest):
-    messages: list[ChatMessage]
-    max_completion_tokens: Optional[int] = None
+    messages: list[ChatMessage] = documented(..., minItems=1)
+    max_completion_tokens: Optional[int] = documented(minimum=1)
     logprobs: Optional[bool] = False
-    top_logprobs: Optional[int] = None
+    top_logprobs: Optional[int] = documented(minimum=0)
 
     @field_validator("messages")
     @classmethod
@@ -239,7 +246,7 @@ PromptInput = Union[str, list[str], list[int], list[list[int]]]
 class CompletionRequest(SamplingRequest):
     prompt: PromptInput
     echo: Optional[bool] = False
-    logprobs: Optional[int] = None
+    logprobs: Optional[int] = documented(minimum=0)
     best_of: Optional[int] = None
     suffix: Optional[str] = None
     add_special_tokens: Optional[bool] = True
