@@ -123,7 +123,8 @@ def _check_png(path: Path, min_colors: int = 3) -> bool:
 def _smooth(values: Sequence[float], k: int) -> np.ndarray:
     """Centred moving average over `k` bins, averaging only the bins that exist at the edges."""
     v = np.asarray(values, dtype=np.float64)
-    if k <= 1 or len(v) < 2:
+    k = min(k, len(v))  # np.convolve(mode="same") returns max(len(v), k) values
+    if k <= 1:
         return v
     kernel = np.ones(k)
     return np.convolve(v, kernel, mode="same") / np.convolve(np.ones_like(v), kernel, mode="same")

@@ -294,6 +294,8 @@ class Scheduler:
                 if wf is not None:
                     self.workflows.release(wf)
         self.workflows.on_call_finished(req.workflow_id, now)
+        if not req.has_named_workflow:
+            self.workflows.forget_if_idle(req.workflow_id)  # an anonymous call is its own workflow
         self.requests.pop(req.request_id, None)
 
     @staticmethod

@@ -65,6 +65,11 @@ class WorkflowTracker:
             wf.last_finish = now
             wf.last_activity = now
 
+    def forget_if_idle(self, workflow_id: str) -> None:
+        wf = self.workflows.get(workflow_id)
+        if wf is not None and wf.active_calls == 0 and wf.retention is None:
+            del self.workflows[workflow_id]
+
     # --- retention ---------------------------------------------------------------------
     @property
     def num_retained_blocks(self) -> int:
