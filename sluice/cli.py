@@ -96,6 +96,10 @@ def build_server_config(args: argparse.Namespace):
 
 def main(argv: Optional[list[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    # oneDNN caches a GEMM primitive per input shape, and a continuous batch has a new token
+    # count almost every step: bound the cache so resident memory stays flat (must be set
+    # before torch loads oneDNN).
+    os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "128")
     if argv and argv[0] == "bench":
         from sluice.bench.cli import main as bench_main
 
