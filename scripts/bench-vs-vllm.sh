@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# The measured comparisons of docs/benchmarks.md: sluice vs vLLM 0.32 (CPU), one after the other.
+#
+#   scripts/bench-vs-vllm.sh [plenty|pressure|all]   (default all)
+#
+# plenty:   both engines with a 1 GiB KV cache (the working set fits): burst and sustained.
+# pressure: both with 24,064 tokens of KV (vLLM: 188 blocks of 128), smaller than the working set
+#           of 32 concurrent workflows: sluice `workflow`, sluice `fcfs`, vLLM; sustained.
+# Results go to bench-results/<name>/ (results.json, summary.md, compare.md, plots).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+WHAT="${1:-all}"
+mkdir -p "${OUT:-bench-results}"
+SLUICE=".venv/bin/sluice"
+OUT="${OUT:-bench-results}"
+CONC="${CONC:-32}"
+REPEATS="${REPEATS:-3}"
+BURST_WORKFLOWS="${BURST_WORKFLOWS:-48}"
+WINDOW="${WINDOW:-75}"
+A="http://127.0.0.1:8000/v1"
+B="http://127.0.0.1:8100/v1"
+
+if [ "$WHAT" = plenty ] || [ "$WHAT" = all ]; then
+    "$SLUICE" bench compare --scenario burst --quiet \
+        --a "$A" --a-label sluice --a-cmd "$SLUICE serve --port 8000" \
+        --b "$B" --b-label vllm-0.32 --b-cmd "scripts/serve-vllm.sh" \
+        --workflows "$BURST_WORKFLOWS" --concurrency "$CONC" --repeats "$REPEATS" \
+        --manifest "$OUT/burst-manifest.jsonl" --out "$OUT/burst"
+    "$SLUICE" bench compare --scenario sustained --quiet \
+        --a "$A" --a-label sluice --a-cmd "$SLUICE serve --port 8000" \
+        --b "$B" --b-label vllm-0.32 --b-cmd "scripts/serve-vllm.sh" \
+        --window "$WINDOW" --concurrency "$CONC" --repeats "$REPEATS" --out "$OUT/sustained"
+fi
+
+if [ "$WHAT" = pressure ] || [ "$WHAT" = all ]; then
+    PREPEATS="${PRESSURE_REPEATS:-1}"
+    "$SLUICE" bench compare --scenario sustained --quiet \
+        --a "$A" --a-label sluice-workflow --a-cmd "$SLUICE serve --port 8000 --kv-cache-tokens 24064 --scheduling-policy workflow" \
+        --b "$B" --b-label vllm-0.32-188blocks --b-cmd "env NUM_BLOCKS=188 scripts/serve-vllm.sh" \
+        --window "$WINDOW" --concurrency "$CONC" --repeats "$PREPEATS" --out "$OUT/pressure-vllm"
+    "$SLUICE" serve --port 8001 --kv-cache-tokens 24064 --scheduling-policy fcfs > "$OUT/pressure-fcfs-server.log" 2>&1 &
+    SERVER=$!
+    trap 'kill $SERVER 2>/dev/null || true' EXIT
+    until curl -sf http://127.0.0.1:8001/health > /dev/null; do sleep 1; done
+    "$SLUICE" bench sustained --quiet --base-url "http://127.0.0.1:8001/v1" \
+        --window "$WINDOW" --concurrency "$CONC" --repeats "$PREPEATS" --out "$OUT/pressure-fcfs"
+    kill -TERM "$SERVER"; wait "$SERVER" || true
+fi
