@@ -250,16 +250,31 @@ def test_memory_pressure_releases_the_least_valuable_retention():
 
 
 def test_retention_is_not_released_for_a_request_worth_less():
-    s = two_retentions(num_blocks=7)                     # one block free
+    s = two_retentions(num_blocks=8)                     # two blocks free
+    busy = create_request(s, "busy", 8, max_tokens=6, ignore_eos=True)  # keeps the engine busy in one block
     x = create_request(s, "x", 20, max_tokens=1)         # needs 2 blocks; worth 20 tokens
     out = s.schedule()
-    assert out.empty and x.status is RequestStatus.WAITING
+    assert scheduled_ids(out) == [("busy", 8)] and x.status is RequestStatus.WAITING
+    s.update_from_output(out, [7])
     assert s.workflows.num_retained_blocks == 6
     s.clock.t = 4.5                                      # old's value: 48 e^-0.9 = 19.5 < 20
     out, _ = run_step(s)
-    assert scheduled_ids(out) == [("x", 20)]
+    assert ("x", 20) in scheduled_ids(out)
     assert s.workflows.workflows["old"].retention is None
     assert s.workflows.workflows["new"].retention is not None   # 48 e^-0.5 = 29.1: kept
+    drain(s)
+    assert_all_released(s)
+
+
+def test_an_idle_engine_releases_retention_for_waiting_work():
+    """With nothing else to run, waiting work gets the memory whatever the retention is worth
+    (holding it would leave the engine idle until the TTL ends)."""
+    s = two_retentions(num_blocks=7)                     # one block free
+    x = create_request(s, "x", 20, max_tokens=1)         # needs 2 blocks; worth less than either
+    out, _ = run_step(s)
+    assert scheduled_ids(out) == [("x", 20)]
+    assert s.workflows.workflows["old"].retention is None  # the least valuable one went
+    drain(s)
     assert_all_released(s)
 
 
@@ -422,4 +437,63 @@ def test_resumed_request_is_not_preempted_again_before_progress():
     assert events == [("late", []), ("early", ["late"])]
     assert early.output_token_ids == [100 + i for i in range(7)]
     assert late.output_token_ids == [100 + i for i in range(3)]
+    assert_all_released(s)
+
+
+# --- memory pressure ----------------------------------------------------------------------------
+def pressured(schedule_at: float, heavy_at: float = 0.0):
+    """A 10-block pool, 8 of them retained by `heavy-wf` (600+ tokens of service): under pressure.
+    `light` (a new workflow's call) arrives at t=1, `heavy` (heavy-wf's follow-up call, resident)
+    at `heavy_at`."""
+    s = create_scheduler(policy="workflow", num_blocks=10, max_num_seqs=1, retention_ttl_s=1000)
+    prompt = unique_prompt(128)
+    create_request(s, "heavy-warmup", prompt, max_tokens=1, workflow_id="heavy-wf")
+    drain(s)
+    s.workflows.workflows["heavy-wf"].service = 600
+    assert s.workflows.num_retained_blocks == 8 and s.policy.under_pressure()
+    s.clock.t = 1.0
+    create_request(s, "light", 10, max_tokens=2, workflow_id="light-wf")
+    s.clock.t = heavy_at
+    create_request(s, "heavy", prompt + [5, 6], max_tokens=2, workflow_id="heavy-wf")
+    s.clock.t = schedule_at
+    return s
+
+
+def test_under_pressure_resident_work_goes_before_new_workflows():
+    """Least attained service would pick `light` (level 0 against 1) and evict `heavy`'s KV;
+    under memory pressure the resident follow-up call goes first."""
+    s = pressured(schedule_at=1.0)
+    assert s.policy.level(s.requests["light"], 1.0) < s.policy.level(s.requests["heavy"], 1.0)
+    assert first_admitted(s) == "heavy"
+    drain(s)
+    assert_all_released(s)
+
+
+def test_under_pressure_a_starving_call_goes_first():
+    starve = 1.0 + s_starve() + 0.01
+    s = pressured(schedule_at=starve, heavy_at=starve - 1.0)
+    assert first_admitted(s) == "light"
+    drain(s)
+    assert_all_released(s)
+
+
+def s_starve() -> float:
+    from sluice.engine.policies import WorkflowPolicy
+
+    return WorkflowPolicy.STARVATION_AGING * 5.0
+
+
+def test_under_pressure_the_victim_is_the_resident_call_with_least_service():
+    s = create_scheduler(policy="workflow", num_blocks=10, max_num_batched_tokens=64)
+    create_request(s, "big", 64, max_tokens=40, ignore_eos=True, workflow_id="big-wf")
+    create_request(s, "small", 64, max_tokens=40, ignore_eos=True, workflow_id="small-wf")
+    run_step(s)
+    run_step(s)
+    s.workflows.workflows["big-wf"].service = 5000
+    assert s.policy.under_pressure()
+    preempted = []
+    while s.has_unfinished():
+        out, _ = run_step(s)
+        preempted += [r.request_id for r in out.preempted]
+    assert preempted and preempted[0] == "small"
     assert_all_released(s)

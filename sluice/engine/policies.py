@@ -41,14 +41,28 @@ class WorkflowPolicy:
     - waiting promotes a call one level every `aging_s` seconds, so nothing starves;
     - within a level, a call whose workflow has KV resident (retained or held) goes before one that
       would recompute, then earlier arrivals first.
+
+    Under memory pressure (less than `PRESSURE_FREE_FRACTION` of the blocks free or evictable)
+    least-attained-service would favour exactly the workflows whose KV is not resident, evicting
+    the others' and thrashing (measured: 51% prefix hits, TTFT p90 14.6 s at a 24k-token cache).
+    The order then becomes finish-what-is-resident: resident calls first, and among them the
+    workflows with the most service (the most KV to lose), so the preemption victim is the
+    resident call with the least service; a call waiting longer than `STARVATION_AGING` x
+    `aging_s` goes before all of them, so nothing starves.
     """
 
     name = "workflow"
     QUANTUM = 512
+    PRESSURE_FREE_FRACTION = 0.25
+    STARVATION_AGING = 10
 
     def __init__(self, config: SchedulerConfig, workflows: WorkflowTracker) -> None:
         self.aging_s = config.aging_s
         self.workflows = workflows
+
+    def under_pressure(self) -> bool:
+        pool = self.workflows.pool
+        return pool.num_free_blocks < self.PRESSURE_FREE_FRACTION * pool.num_blocks
 
     def level(self, req: Request, now: float) -> int:
         wf = self.workflows.workflows.get(req.workflow_id)
@@ -60,6 +74,11 @@ class WorkflowPolicy:
     def priority(self, req: Request, now: float) -> tuple:
         wf = self.workflows.workflows.get(req.workflow_id)
         resident = bool(wf and (wf.retention is not None or wf.num_blocks_held > 0)) or bool(req.blocks)
+        if self.under_pressure():
+            starving = now - req.arrival_time > self.STARVATION_AGING * self.aging_s
+            service = wf.service if wf else 0.0
+            rank = 0 if starving else (1 if resident else 2)
+            return (rank, -int(math.log2(1.0 + service / self.QUANTUM)), req.arrival_time)
         return (self.level(req, now), 0 if resident else 1, req.arrival_time)
 
 

@@ -10,6 +10,7 @@ one asking may yield itself, and one already scheduled this step is withdrawn fr
 """
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional
@@ -169,7 +170,11 @@ class Scheduler:
                     self.workflows.release(own)  # admission ends it anyway; its hits stay cached
                 deficit = (self.kv._num_new_blocks(req, n, computed) + sum(1 for b in computed if b.ref_cnt == 0)
                            - self.pool.num_free_blocks)
-                self.workflows.release_for(deficit, now, exclude=req.workflow_id, max_value=req.num_tokens)
+                # A retention is kept against waiting work worth less than it, but never while
+                # the engine would otherwise sit idle: then the waiting call's delay is unbounded.
+                idle = not out.scheduled
+                self.workflows.release_for(deficit, now, exclude=req.workflow_id,
+                                           max_value=math.inf if idle else req.num_tokens)
                 computed = self.kv.get_computed_blocks(req)  # releases may have changed what is cached
                 num_hit = len(computed) * self.block_size
                 n = min(req.num_tokens - num_hit, budget)
