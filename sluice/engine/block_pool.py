@@ -49,6 +49,7 @@ class BlockPool:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self._free: OrderedDict[int, Block] = OrderedDict((b.block_id, b) for b in self.blocks)
         self._cached: dict[BlockHash, Block] = {}
+        self._num_evictable = 0   # blocks in the free queue that carry a hash (kept incrementally)
 
     # --- queries -------------------------------------------------------------------------
     @property
@@ -58,7 +59,7 @@ class BlockPool:
 
     @property
     def num_evictable_blocks(self) -> int:
-        return sum(1 for b in self._free.values() if b.hash_key is not None)
+        return self._num_evictable
 
     def lookup(self, key: BlockHash) -> Optional[Block]:
         return self._cached.get(key) if self.enable_caching else None
@@ -74,6 +75,8 @@ class BlockPool:
         out = []
         for _ in range(n):
             _, block = self._free.popitem(last=False)
+            if block.hash_key is not None:
+                self._num_evictable -= 1
             self._evict(block)
             block.ref_cnt = 1
             out.append(block)
@@ -84,6 +87,8 @@ class BlockPool:
         for b in blocks:
             if b.ref_cnt == 0:
                 del self._free[b.block_id]
+                if b.hash_key is not None:
+                    self._num_evictable -= 1
             b.ref_cnt += 1
 
     def free(self, blocks: Iterable[Block]) -> None:
@@ -95,6 +100,8 @@ class BlockPool:
             if b.ref_cnt == 0:
                 if not self.enable_caching:
                     self._evict(b)
+                elif b.hash_key is not None:
+                    self._num_evictable += 1
                 self._free[b.block_id] = b
 
     def cache(self, block: Block, value: bytes, key: BlockHash) -> None:
@@ -105,6 +112,8 @@ class BlockPool:
             return  # an identical block is already cached; this one stays private
         block.hash_key, block.hash_value = key, value
         self._cached[key] = block
+        if block.ref_cnt == 0:  # already in the free queue: it becomes evictable
+            self._num_evictable += 1
 
     def evict_all_cached(self) -> int:
         """Drop every unreferenced cached block from the prefix cache (e.g. /reset)."""
@@ -113,6 +122,7 @@ class BlockPool:
             if b.hash_key is not None:
                 self._evict(b)
                 n += 1
+        self._num_evictable -= n
         return n
 
     def _evict(self, block: Block) -> None:
@@ -131,6 +141,7 @@ class BlockPool:
                 assert self._cached.get(b.hash_key) is b, f"block {b.block_id} hash not indexed"
         for key, b in self._cached.items():
             assert b.hash_key == key
+        assert self._num_evictable == sum(1 for b in self._free.values() if b.hash_key is not None)
 
     def all_unreferenced(self) -> bool:
         return all(b.ref_cnt == 0 for b in self.blocks) and len(self._free) == self.num_blocks
