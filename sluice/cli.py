@@ -25,6 +25,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--retention-ttl", type=float, default=10.0, help="seconds a finished workflow call's KV stays pinned")
     p.add_argument("--attention-backend", default="auto")
     p.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads (default: all cores)")
+    p.add_argument("--step-trace", default=None, metavar="PATH",
+                   help="append one JSON line per engine step: its batch shape and where its time went")
 
 
 def add_server_args(p: argparse.ArgumentParser) -> None:
@@ -72,6 +74,7 @@ def build_engine_config(args: argparse.Namespace):
         seed=args.seed,
         attention_backend=args.attention_backend,
         num_threads=args.num_threads,
+        step_trace_path=args.step_trace,
     )
 
 

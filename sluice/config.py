@@ -102,8 +102,9 @@ class EngineConfig:
     scheduler: SchedulerConfig
     dtype: torch.dtype = torch.bfloat16
     seed: int = 0
-    attention_backend: str = "auto"
+    attention_backend: str = "auto"       # "cpu" also runs bf16 linear layers on the compiled kernel
     num_threads: Optional[int] = None
+    step_trace_path: Optional[str] = None  # append one JSON line per engine step (shape and timings)
 
 
 @dataclass(frozen=True)

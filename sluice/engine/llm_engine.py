@@ -5,6 +5,7 @@ scheduler with the sampled tokens, turn tokens into text and outputs.
 """
 from __future__ import annotations
 
+import json
 import logging
 import time
 from dataclasses import dataclass, field
@@ -18,7 +19,7 @@ from sluice.engine.detokenizer import IncrementalDetokenizer
 from sluice.engine.errors import RequestRejected
 from sluice.engine.model_runner import ModelRunner, kv_bytes_per_token
 from sluice.engine.request import Request, RequestStatus
-from sluice.engine.scheduler import Scheduler
+from sluice.engine.scheduler import Scheduler, SchedulerOutput
 from sluice.engine.stats import EngineStats
 from sluice.model.loader import load_model, load_tokenizer
 from sluice.outputs import CompletionOutput, Logprob, RequestOutput
@@ -87,6 +88,7 @@ class LLMEngine:
         self._groups: dict[str, _Group] = {}
         self._child_to_group: dict[str, str] = {}
         self._pending: list[RequestOutput] = []   # outputs produced outside a step (aborts)
+        self._trace = open(config.step_trace_path, "a", buffering=1) if config.step_trace_path else None
 
     # --- requests ------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -160,11 +162,29 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         if sched.empty:
             return outputs
+        t0 = time.perf_counter()
         result = self.runner.execute(sched)
+        t1 = time.perf_counter()
         logprobs = self._logprobs_by_request(sched, result.logprobs)
         updated = self.scheduler.update_from_output(sched, result.sampled_token_ids)
         outputs.extend(self._process(updated, logprobs))
+        if self._trace is not None:
+            self._trace_step(sched, t0, t1)
         return outputs
+
+    def _trace_step(self, sched: SchedulerOutput, t0: float, t1: float) -> None:
+        """One JSON line per step (`step_trace_path`): its shape, and where its time went."""
+        dec = [r for r, n in sched.scheduled if n == 1]
+        pre = [(r, n) for r, n in sched.scheduled if n != 1]
+        rec = {
+            "t": round(t0, 4), "forward_ms": round((t1 - t0) * 1e3, 2),
+            "post_ms": round((time.perf_counter() - t1) * 1e3, 2),
+            "decodes": len(dec), "decode_ctx": sum(r.num_computed_tokens for r in dec),
+            "prefills": len(pre), "prefill_tokens": sum(n for _, n in pre),
+            "prefill_ctx": sum(r.num_computed_tokens for r, _ in pre),
+            "running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
+        }
+        self._trace.write(json.dumps(rec) + "\n")
 
     @staticmethod
     def _logprobs_by_request(sched, logprobs) -> dict[str, dict[int, Logprob]]:

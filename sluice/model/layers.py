@@ -9,7 +9,12 @@ from torch import nn
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm computed in float32 like transformers; `forward(x, residual)` fuses the residual add."""
+    """RMSNorm computed in float32 like transformers; `forward(x, residual)` fuses the residual add.
+
+    With `fused` set (by `use_cpu_kernels`), bfloat16 [T, H] inputs go through one compiled op
+    (`torch.ops.sluice.rms_norm`) that rounds exactly where this torch code does."""
+
+    fused = False
 
     def __init__(self, hidden_size: int, eps: float) -> None:
         super().__init__()
@@ -24,6 +29,9 @@ class RMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: Optional[torch.Tensor] = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if self.fused and x.dim() == 2 and x.dtype == torch.bfloat16 and self.weight.dtype == torch.bfloat16:
+            out, s = torch.ops.sluice.rms_norm(x, residual, self.weight, self.eps)
+            return out if residual is None else (out, s)
         if residual is None:
             return self._norm(x)
         x = x + residual
@@ -51,7 +59,12 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    """Neox-style rotary embedding (rotate_half, as transformers' Llama) with a cos/sin table."""
+    """Neox-style rotary embedding (rotate_half, as transformers' Llama) with a cos/sin table.
+
+    With `fused` set (by `use_cpu_kernels`), bfloat16 q/k are rotated in place by one compiled op
+    (`torch.ops.sluice.rotary_`)."""
+
+    fused = False
 
     def __init__(self, head_dim: int, max_position: int, theta: float,
                  scaling: Optional[dict] = None, rotary_dim: Optional[int] = None) -> None:
@@ -73,6 +86,9 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # q: [T, H, D], k: [T, KVH, D]
+        if self.fused and q.dtype == torch.bfloat16 and k.dtype == torch.bfloat16 and positions.dtype == torch.int64:
+            torch.ops.sluice.rotary_(q, k, positions, self.cos, self.sin)
+            return q, k
         cos = self.cos[positions].unsqueeze(1)                             # [T, 1, rotary_dim / 2]
         sin = self.sin[positions].unsqueeze(1)
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)

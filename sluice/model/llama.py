@@ -59,13 +59,17 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
+    # True once gate_up_proj is a fused kernel that already returns silu(gate) * up.
+    gate_up_applies_act = False
+
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False) -> None:
         super().__init__()
         self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=bias)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        h = self.gate_up_proj(x)
+        return self.down_proj(h if self.gate_up_applies_act else silu_and_mul(h))
 
 
 class LlamaDecoderLayer(nn.Module):

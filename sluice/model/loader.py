@@ -32,6 +32,10 @@ def _is_gguf(path: Path) -> bool:
 
 def model_config_from_hf(cfg: dict) -> ModelConfig:
     """Build a ModelConfig from a config.json dict (transformers 4 and 5 spellings)."""
+    text = cfg.get("text_config")
+    if isinstance(text, dict):  # a multimodal checkpoint (GLM-5.3): sluice serves its text model
+        cfg = {**{k: v for k, v in cfg.items() if k not in ("text_config", "vision_config")}, **text,
+               "architectures": cfg.get("architectures")}
     archs = cfg.get("architectures") or []
     arch = archs[0] if archs else {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM"}.get(
         cfg.get("model_type", ""), "")
@@ -115,6 +119,10 @@ def load_model(path: Path, cfg: ModelConfig, dtype: torch.dtype, backend: Attent
     model.load_weights(weights)
     if cfg.tie_word_embeddings and hasattr(model, "lm_head"):
         model.lm_head.weight = model.embed_tokens.weight
+    if dtype == torch.bfloat16 and getattr(backend, "name", None) == "cpu":
+        from sluice.model.packed_linear import use_cpu_kernels
+
+        use_cpu_kernels(model)  # the cpu backend's extension also holds linear, norm and rotary kernels
     return model.eval()
 
 

@@ -20,6 +20,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("paged_attention.cpp")
+SOURCES = (SOURCE, Path(__file__).with_name("linear.cpp"), Path(__file__).with_name("fused.cpp"))
 BUILD_ROOT = Path.home() / ".cache" / "sluice" / "torch_extensions"
 REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
 CFLAGS = ["-O3", "-march=native", "-std=c++20", "-fopenmp"]
@@ -81,10 +82,10 @@ def _compile() -> float:
     logger.info("loading the cpu attention extension from %s (a first build takes ~30 s)", build_dir)
     t0 = time.perf_counter()
     try:
-        load(name=name, sources=[str(SOURCE)], extra_cflags=CFLAGS, extra_ldflags=LDFLAGS,
+        load(name=name, sources=[str(p) for p in SOURCES], extra_cflags=CFLAGS, extra_ldflags=LDFLAGS,
              build_directory=str(build_dir), is_python_module=False, verbose=False)
     except Exception as e:  # compiler missing, compile error, ninja missing, load failure
-        raise CpuAttentionUnavailable(f"compiling {SOURCE.name} failed: {str(e)[-800:]}") from e
+        raise CpuAttentionUnavailable(f"compiling {', '.join(p.name for p in SOURCES)} failed: {str(e)[-800:]}") from e
     return time.perf_counter() - t0
 
 

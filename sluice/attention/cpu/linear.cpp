@@ -1,0 +1,207 @@
+// bfloat16 linear layers for few rows (decode steps), registered as torch.ops.sluice.linear_bf16
+// and torch.ops.sluice.linear_bf16_silu_mul.
+//
+// y[M, N] = x[M, K] @ W[N, K]^T (+ bias), float32 accumulation, one rounding to bfloat16.
+//
+// Why: at 1-64 rows oneDNN reaches 28-350 GFLOP/s on this model's shapes, far from what the
+// weights' bandwidth (1 row) or the cores' `vdpbf16ps` peak (8+ rows) allow. Here the weight is
+// packed once, at load time, so that one step streams it exactly once, in address order:
+//
+//   packed[group][k pair][column][2]: groups of up to 64 output columns (4 vectors of 16); for
+//   each k pair (k, k+1) the group's columns' (W[n][k], W[n][k+1]) bf16 pairs, one 32-bit lane
+//   each, which is the operand layout of `vdpbf16ps`.
+//
+// A group's slice (K * 128 bytes) stays in L2 while every tile of up to 6 rows passes over it:
+// per k pair, 4 vector loads and 6 broadcasts feed 24 independent `vdpbf16ps` accumulators.
+// Groups are split between the threads.
+//
+// linear_bf16_silu_mul takes a gate/up projection whose packed groups hold 32 gate columns then
+// the 32 matching up columns (see pack_gate_up), and writes silu(gate) * up: [M, N / 2], so the
+// [M, N] intermediate of an MLP never reaches memory.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Optional.h>
+#include <torch/library.h>
+
+#include <immintrin.h>
+
+#include <cstdint>
+#include <cstring>
+
+#if !(defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512BF16__))
+#error "sluice's CPU linear kernel needs AVX-512 F, BW, VL and BF16"
+#endif
+
+namespace {
+
+using bf16 = uint16_t;
+constexpr int kGroupCols = 64;  // output columns per packed group
+constexpr int kRowTile = 6;     // rows per micro-kernel call: 6 x 4 accumulators
+
+inline __m512bh broadcast_pair(const bf16* p) {
+  int32_t v;
+  std::memcpy(&v, p, sizeof(v));
+  return (__m512bh)_mm512_set1_epi32(v);
+}
+
+// acc[r][j] = sum over k of x[r][k] * W[n0 + 16 j + lane][k] for the group at w (kVecs vectors wide).
+template <int kRows, int kVecs>
+inline void dot_tile(const bf16* x, int64_t ldx, const bf16* w, int64_t k_pairs, __m512 (&acc)[kRows][kVecs]) {
+  for (int r = 0; r < kRows; ++r)
+    for (int j = 0; j < kVecs; ++j) acc[r][j] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < k_pairs; ++p) {
+    const bf16* wp = w + p * (kVecs * 32);
+    __m512bh wv[kVecs];
+    for (int j = 0; j < kVecs; ++j) wv[j] = (__m512bh)_mm512_loadu_si512(wp + 32 * j);
+    for (int r = 0; r < kRows; ++r) {
+      const __m512bh a = broadcast_pair(x + r * ldx + 2 * p);
+      for (int j = 0; j < kVecs; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], a, wv[j]);
+    }
+  }
+}
+
+inline void store_bf16(bf16* dst, __m512 v) { _mm256_storeu_si256((__m256i*)dst, (__m256i)_mm512_cvtneps_pbh(v)); }
+
+inline __m512 silu_mul(__m512 g, __m512 u) {
+  // silu(g) = g / (1 + exp(-g)); exp through exp2 with a degree-7 polynomial (as in the attention kernel).
+  __m512 x = _mm512_mul_ps(g, _mm512_set1_ps(-1.4426950408889634f));
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-126.0f)), _mm512_set1_ps(126.0f));
+  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(x, n);
+  __m512 y = _mm512_set1_ps(1.5252734e-05f);
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(1.5403530e-04f));
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(1.3333558e-03f));
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(9.6181291e-03f));
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(5.5504109e-02f));
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(2.4022651e-01f));
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(6.9314718e-01f));
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(1.0f));
+  const __m512 e = _mm512_scalef_ps(y, n);  // exp(-g)
+  // Round gate to bf16 first, like silu on the bf16 output of an unfused projection would see it.
+  return _mm512_mul_ps(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e)), u);
+}
+
+inline __m512 round_bf16(__m512 v) {
+  const __m256i h = (__m256i)_mm512_cvtneps_pbh(v);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// Rows [r0, r0 + kRows) of one group: plain projection (+ bias) or fused silu(gate) * up.
+template <int kRows, int kVecs, bool kSiluMul>
+inline void group_tile(const bf16* x, int64_t ldx, const bf16* w, int64_t k_pairs, const float* bias, bf16* y,
+                       int64_t ldy) {
+  __m512 acc[kRows][kVecs];
+  dot_tile<kRows, kVecs>(x, ldx, w, k_pairs, acc);
+  for (int r = 0; r < kRows; ++r) {
+    if constexpr (kSiluMul) {
+      static_assert(kVecs % 2 == 0);
+      for (int j = 0; j < kVecs / 2; ++j) {
+        __m512 g = acc[r][j], u = acc[r][j + kVecs / 2];
+        if (bias) {
+          g = _mm512_add_ps(g, _mm512_loadu_ps(bias + 16 * j));
+          u = _mm512_add_ps(u, _mm512_loadu_ps(bias + 16 * (j + kVecs / 2)));
+        }
+        store_bf16(y + r * ldy + 16 * j, silu_mul(round_bf16(g), round_bf16(u)));
+      }
+    } else {
+      for (int j = 0; j < kVecs; ++j) {
+        __m512 v = acc[r][j];
+        if (bias) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + 16 * j));
+        store_bf16(y + r * ldy + 16 * j, v);
+      }
+    }
+  }
+}
+
+template <int kVecs, bool kSiluMul>
+void run_group(const bf16* x, int64_t m, int64_t ldx, const bf16* w, int64_t k_pairs, const float* bias, bf16* y,
+               int64_t ldy) {
+  int64_t r = 0;
+  for (; r + kRowTile <= m; r += kRowTile)
+    group_tile<kRowTile, kVecs, kSiluMul>(x + r * ldx, ldx, w, k_pairs, bias, y + r * ldy, ldy);
+  const bf16* xr = x + r * ldx;
+  bf16* yr = y + r * ldy;
+  switch (m - r) {
+    case 0: break;
+    case 1: group_tile<1, kVecs, kSiluMul>(xr, ldx, w, k_pairs, bias, yr, ldy); break;
+    case 2: group_tile<2, kVecs, kSiluMul>(xr, ldx, w, k_pairs, bias, yr, ldy); break;
+    case 3: group_tile<3, kVecs, kSiluMul>(xr, ldx, w, k_pairs, bias, yr, ldy); break;
+    case 4: group_tile<4, kVecs, kSiluMul>(xr, ldx, w, k_pairs, bias, yr, ldy); break;
+    default: group_tile<5, kVecs, kSiluMul>(xr, ldx, w, k_pairs, bias, yr, ldy); break;
+  }
+}
+
+void check_common(const at::Tensor& x, const at::Tensor& packed, int64_t n, int64_t k) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.stride(1) == 1, "x must be [M, K] bf16, rows contiguous");
+  TORCH_CHECK(packed.scalar_type() == at::kBFloat16 && packed.is_contiguous(), "packed weight must be contiguous bf16");
+  TORCH_CHECK(k % 2 == 0 && x.size(1) == k, "K must be even and match x");
+  TORCH_CHECK(n % 16 == 0 && packed.numel() == n * k, "N must be a multiple of 16 and match the packed weight");
+}
+
+// Columns [g * 64, ...) of the group g; the last group may be 16, 32 or 48 wide.
+template <bool kSiluMul>
+void run(const at::Tensor& x, const at::Tensor& packed, int64_t n, int64_t k, const float* bias, at::Tensor& y) {
+  const int64_t m = x.size(0), ldx = x.stride(0), ldy = y.stride(0), k_pairs = k / 2;
+  const int64_t groups = (n + kGroupCols - 1) / kGroupCols;
+  const bf16* xp = reinterpret_cast<const bf16*>(x.data_ptr<c10::BFloat16>());
+  const bf16* wp = reinterpret_cast<const bf16*>(packed.data_ptr<c10::BFloat16>());
+  bf16* yp = reinterpret_cast<bf16*>(y.data_ptr<c10::BFloat16>());
+  // One group is ~K * 128 bytes of weight and 2 * M * K * 64 flops; below ~2 groups per thread
+  // of work for a tiny M the fork costs more than it saves, so let at::parallel_for decide.
+  const int64_t grain = m * k >= 4096 ? 1 : 4;
+  at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g) {
+      const int64_t col = g * kGroupCols;
+      const int vecs = static_cast<int>(std::min<int64_t>(kGroupCols, n - col) / 16);
+      const bf16* wg = wp + col * k;
+      const float* bg = bias ? bias + col : nullptr;
+      if constexpr (kSiluMul) {
+        bf16* yg = yp + col / 2;
+        if (vecs == 4) run_group<4, true>(xp, m, ldx, wg, k_pairs, bg, yg, ldy);
+        else run_group<2, true>(xp, m, ldx, wg, k_pairs, bg, yg, ldy);
+      } else {
+        bf16* yg = yp + col;
+        switch (vecs) {
+          case 4: run_group<4, false>(xp, m, ldx, wg, k_pairs, bg, yg, ldy); break;
+          case 3: run_group<3, false>(xp, m, ldx, wg, k_pairs, bg, yg, ldy); break;
+          case 2: run_group<2, false>(xp, m, ldx, wg, k_pairs, bg, yg, ldy); break;
+          default: run_group<1, false>(xp, m, ldx, wg, k_pairs, bg, yg, ldy); break;
+        }
+      }
+    }
+  });
+}
+
+const float* bias_ptr(const c10::optional<at::Tensor>& bias, int64_t n) {
+  if (!bias.has_value()) return nullptr;
+  TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == n, "bias must be float32 [N]");
+  return bias->data_ptr<float>();
+}
+
+at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t n, const c10::optional<at::Tensor>& bias) {
+  const int64_t k = x.size(1);
+  check_common(x, packed, n, k);
+  at::Tensor y = at::empty({x.size(0), n}, x.options());
+  if (x.size(0) > 0) run<false>(x, packed, n, k, bias_ptr(bias, n), y);
+  return y;
+}
+
+at::Tensor linear_bf16_silu_mul(const at::Tensor& x, const at::Tensor& packed, int64_t n,
+                                const c10::optional<at::Tensor>& bias) {
+  const int64_t k = x.size(1);
+  check_common(x, packed, n, k);
+  TORCH_CHECK(n % 64 == 0 || n % 64 == 32, "gate/up width must be a multiple of 32 (16 gate + 16 up columns)");
+  at::Tensor y = at::empty({x.size(0), n / 2}, x.options());
+  if (x.size(0) > 0) run<true>(x, packed, n, k, bias_ptr(bias, n), y);
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(sluice, m) {
+  m.def("linear_bf16(Tensor x, Tensor packed, int n, Tensor? bias) -> Tensor", &linear_bf16);
+  m.def("linear_bf16_silu_mul(Tensor x, Tensor packed, int n, Tensor? bias) -> Tensor", &linear_bf16_silu_mul);
+}

@@ -1,0 +1,118 @@
+"""Linear layers on the compiled CPU kernel (sluice/attention/cpu/linear.cpp).
+
+After the weights are loaded, `pack_linear_layers` replaces every bfloat16 `nn.Linear` whose shape
+the kernel covers with a `PackedLinear` holding the weight in the kernel's packed layout (the
+original is dropped: the packed copy is the only one, so memory does not grow), and gives each
+`LlamaMLP` a gate/up projection that applies silu(gate) * up in the same pass. Weights shared with
+another module (a tied LM head) are packed into a copy and the original stays with its other user.
+
+The kernel streams each weight once per step at any row count; the measurements that made it the
+default are in docs/benchmarks.md ("Linear layers").
+"""
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+import torch
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+GROUP = 64  # output columns per packed group (kGroupCols in linear.cpp)
+
+
+def can_pack(weight: torch.Tensor) -> bool:
+    n, k = weight.shape
+    return weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and n % 16 == 0 and k % 2 == 0
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """[N, K] -> the kernel's layout: per group of 64 output columns (the last may be 16, 32 or
+    48), per k pair, each column's (W[n][k], W[n][k+1]); flat, N * K elements."""
+    n, k = weight.shape
+    if not can_pack(weight):
+        raise ValueError(f"cannot pack a {tuple(weight.shape)} {weight.dtype} weight")
+    full = n // GROUP
+    parts = []
+    if full:
+        parts.append(weight[:full * GROUP].reshape(full, GROUP, k // 2, 2).permute(0, 2, 1, 3).reshape(-1))
+    if n % GROUP:
+        parts.append(weight[full * GROUP:].reshape(n % GROUP, k // 2, 2).permute(1, 0, 2).reshape(-1))
+    return torch.cat(parts).contiguous()
+
+
+def gate_up_order(n: int) -> torch.Tensor:
+    """Row order of a [gate; up] projection (each n / 2 rows) for the fused kernel: every packed
+    group holds 32 gate rows then the 32 matching up rows (16 and 16 in a last, narrower group)."""
+    half = n // 2
+    idx = []
+    for start in range(0, half, GROUP // 2):
+        width = min(GROUP // 2, half - start)
+        idx.extend(range(start, start + width))
+        idx.extend(range(half + start, half + start + width))
+    return torch.tensor(idx, dtype=torch.int64)
+
+
+class PackedLinear(nn.Module):
+    """`y = x @ W^T + b` for bfloat16 `x` of any leading shape, through the packed kernel.
+
+    With `silu_mul`, W is a [gate; up] projection of 2 I rows and the output is silu(gate) * up,
+    I wide (what `silu_and_mul(linear(x))` computes, with both halves rounded to bf16 first).
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor], silu_mul: bool = False) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.silu_mul = silu_mul
+        if silu_mul:
+            if self.out_features % 32:
+                raise ValueError("a fused gate/up projection needs a multiple of 32 rows")
+            order = gate_up_order(self.out_features)
+            weight = weight[order]
+            bias = bias[order] if bias is not None else None
+        self.register_buffer("packed", pack_weight(weight.detach()), persistent=False)
+        self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous(), persistent=False)
+        self._op = torch.ops.sluice.linear_bf16_silu_mul if silu_mul else torch.ops.sluice.linear_bf16
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features)
+        if x2.stride(-1) != 1:
+            x2 = x2.contiguous()
+        y = self._op(x2, self.packed, self.out_features, self.bias)
+        return y.reshape(*lead, y.shape[-1])
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, silu_mul={self.silu_mul}"
+
+
+def use_cpu_kernels(model: nn.Module) -> int:
+    """Move a bfloat16 model onto the compiled CPU kernels: packed linears (below), fused RMSNorm
+    and rotary. Needs the cpu backend's extension, already loaded. Returns the linears packed."""
+    from sluice.model.layers import RMSNorm, RotaryEmbedding
+
+    for module in model.modules():
+        if isinstance(module, (RMSNorm, RotaryEmbedding)):
+            module.fused = True
+    return pack_linear_layers(model)
+
+
+def pack_linear_layers(model: nn.Module) -> int:
+    """Swap the model's packable bfloat16 linears for PackedLinear; returns how many were swapped.
+
+    Needs `torch.ops.sluice.linear_bf16` (the cpu backend's extension, already loaded)."""
+    from sluice.model.llama import LlamaMLP
+
+    swapped = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is not nn.Linear or not can_pack(child.weight):
+                continue
+            fuse = isinstance(parent, LlamaMLP) and name == "gate_up_proj" and child.out_features % 32 == 0
+            setattr(parent, name, PackedLinear(child.weight, child.bias, silu_mul=fuse))
+            if fuse:
+                parent.gate_up_applies_act = True
+            swapped += 1
+    logger.info("packed %d linear layers for the cpu kernel", swapped)
+    return swapped
