@@ -11,9 +11,24 @@ Layout of a step's batch (built by the model runner):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Optional, Protocol
 
 import torch
+
+
+@dataclass
+class StateMetadata:
+    """Recurrent-state slots of a step's sequences (hybrid models only; see model/cache_spec.py).
+
+    Sequence i reads and updates state slot `slots[i]`. `saves[i]`, when set, is
+    (offset, snapshot_slot): after its first `offset` tokens of this step (1 <= offset <= query
+    length), sequence i's state is also copied into `snapshot_slot`, a block-boundary snapshot
+    for the prefix cache.
+    """
+
+    slots: torch.Tensor                              # [S] int64
+    slots_list: list[int]
+    saves: list[Optional[tuple[int, int]]]
 
 
 @dataclass
@@ -27,6 +42,7 @@ class AttentionMetadata:
     max_seq_len: int
     query_lens_list: list[int]      # host copies, to avoid device syncs in loops
     seq_lens_list: list[int]
+    state: Optional[StateMetadata] = None   # hybrid models with recurrent layers only
 
     @property
     def num_seqs(self) -> int:

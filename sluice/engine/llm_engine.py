@@ -17,7 +17,7 @@ from sluice.attention import create_backend
 from sluice.config import EngineConfig
 from sluice.engine.detokenizer import IncrementalDetokenizer
 from sluice.engine.errors import RequestRejected
-from sluice.engine.model_runner import ModelRunner, kv_bytes_per_token
+from sluice.engine.model_runner import ModelRunner, kv_bytes_per_token, state_layout
 from sluice.engine.request import Request, RequestStatus
 from sluice.engine.scheduler import Scheduler, SchedulerOutput
 from sluice.engine.stats import EngineStats
@@ -81,7 +81,7 @@ class LLMEngine:
             raise ValueError(
                 f"the KV cache holds {capacity} tokens, less than max_model_len "
                 f"{config.scheduler.max_model_len}; raise --kv-cache-tokens/--kv-cache-gib or lower --max-model-len")
-        self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks, clock)
+        self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks, clock, state_layout(config))
         self.runner = ModelRunner(config, model, num_blocks)
         self.eos_token_ids = tuple(dict.fromkeys(self.tokenizer.eos_token_ids + config.model.eos_token_ids))
         self.vocab_size = config.model.vocab_size

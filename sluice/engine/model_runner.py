@@ -8,11 +8,13 @@ import numpy as np
 import torch
 from torch import nn
 
-from sluice.attention.base import AttentionMetadata
+from sluice.attention.base import AttentionMetadata, StateMetadata
 from sluice.config import EngineConfig
 from sluice.engine.request import Request
 from sluice.engine.sampler import Sampler, SamplingRow
 from sluice.engine.scheduler import SchedulerOutput
+from sluice.engine.state_pool import StateLayout
+from sluice.model.registry import model_cache_spec
 from sluice.outputs import Logprob
 
 
@@ -24,8 +26,21 @@ class RunnerOutput:
 
 
 def kv_bytes_per_token(config: EngineConfig) -> int:
+    spec = model_cache_spec(config.model)
+    if spec is not None:
+        return max(1, spec.bytes_per_token(config.dtype))
     m = config.model
     return 2 * m.num_hidden_layers * m.num_key_value_heads * m.head_dim * torch.finfo(config.dtype).bits // 8
+
+
+def state_layout(config: EngineConfig) -> Optional[StateLayout]:
+    """Recurrent-state slots for a hybrid model (None for pure attention): one per possible
+    running request, and as many prefix-cache snapshots when prefix caching is on."""
+    spec = model_cache_spec(config.model)
+    if spec is None or not spec.has_state:
+        return None
+    n = config.scheduler.max_num_seqs
+    return StateLayout(num_seq_slots=n, num_snapshots=n if config.cache.enable_prefix_caching else 0)
 
 
 class ModelRunner:
@@ -34,10 +49,20 @@ class ModelRunner:
         self.model = model
         self.block_size = config.cache.block_size
         m = config.model
-        shape = (num_blocks, self.block_size, m.num_key_value_heads, m.head_dim)
-        # [layers][k|v]: [num_blocks, block_size, num_kv_heads, head_dim]
-        self.kv_caches = [(torch.zeros(shape, dtype=config.dtype), torch.zeros(shape, dtype=config.dtype))
-                          for _ in range(m.num_hidden_layers)]
+        spec = model_cache_spec(m)
+        self.state_tensors: list[torch.Tensor] = []   # hybrid models: every [num_slots, ...] state tensor
+        if spec is None:
+            shape = (num_blocks, self.block_size, m.num_key_value_heads, m.head_dim)
+            # [layers][k|v]: [num_blocks, block_size, num_kv_heads, head_dim]
+            self.kv_caches = [(torch.zeros(shape, dtype=config.dtype), torch.zeros(shape, dtype=config.dtype))
+                              for _ in range(m.num_hidden_layers)]
+        else:
+            # [layers][the layer's tensors]: paged [num_blocks, block_size, ...] or state [num_slots, ...]
+            layout = state_layout(config)
+            self.kv_caches = spec.allocate(num_blocks, self.block_size, layout.num_slots if layout else 0,
+                                           config.dtype)
+            self.state_tensors = [t for layer, specs in zip(self.kv_caches, spec.layers)
+                                  for t, s in zip(layer, specs) if not s.paged]
         self.sampler = Sampler()
 
     @torch.inference_mode()
@@ -46,6 +71,9 @@ class ModelRunner:
         # Single-token queries first: the attention backends batch them as decodes.
         order = sorted(range(len(entries)), key=lambda i: entries[i][0][1] != 1)
         input_ids, positions, meta = self._prepare([entries[i][0] for i in order])
+        if self.state_tensors:
+            self._init_states(out.state_inits)
+            meta.state = self._state_meta([entries[i][0][0] for i in order], out.state_saves)
         hidden = self.model(input_ids, positions, self.kv_caches, meta)          # [T, hidden]
 
         ends = meta.query_start_loc[1:].to(torch.int64) - 1                      # [S]
@@ -65,6 +93,21 @@ class ModelRunner:
         if sampled.logprobs is not None:
             lps = [sampled.logprobs[by_req[r.request_id]] for r in sched_order]
         return RunnerOutput(ids, lps)
+
+    def _init_states(self, inits: list[tuple[int, Optional[int]]]) -> None:
+        """Newly admitted requests' state slots: zeros, or a copy of a prefix-cache snapshot."""
+        for slot, src in inits:
+            for t in self.state_tensors:
+                if src is None:
+                    t[slot].zero_()
+                else:
+                    t[slot].copy_(t[src])
+
+    @staticmethod
+    def _state_meta(reqs: list[Request], saves: dict[str, tuple[int, int]]) -> StateMetadata:
+        slots = [r.state_slot for r in reqs]
+        return StateMetadata(slots=torch.tensor(slots, dtype=torch.int64), slots_list=slots,
+                             saves=[saves.get(r.request_id) for r in reqs])
 
     @staticmethod
     def _row(req: Request) -> SamplingRow:

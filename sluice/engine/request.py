@@ -63,6 +63,7 @@ class Request:
         self.blocks: list[Block] = []
         self.block_hashes: list[tuple[bytes, BlockHash]] = []   # of full blocks of all_token_ids
         self.num_cached_blocks = 0             # leading blocks registered in the prefix cache
+        self.state_slot: Optional[int] = None  # hybrid models: recurrent-state slot while running
         self.num_preemptions = 0
         self.protected = False                 # resumed after preemption and made no progress yet
         self.first_token_time: Optional[float] = None

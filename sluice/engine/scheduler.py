@@ -7,6 +7,11 @@ then newly admitted requests in policy order (their prefix-cache hits count as c
 When blocks run out, retained workflow KV is released first, then the lowest-priority running
 request is preempted (its blocks freed; it recomputes later, mostly from the prefix cache): the
 one asking may yield itself, and one already scheduled this step is withdrawn from the batch.
+
+Hybrid models (linear-attention layers with a recurrent state) also get a state slot per running
+request from a `StatePool` (see state_pool.py): taken at admission, given back on finish, abort
+and preemption. Their prefix-cache hits are cut back to the deepest block with a state snapshot,
+and each step plans a snapshot at the last block boundary a request's chunk crosses.
 """
 from __future__ import annotations
 
@@ -21,6 +26,7 @@ from sluice.engine.errors import RequestRejected
 from sluice.engine.kv_cache_manager import KVCacheManager
 from sluice.engine.policies import create_policy
 from sluice.engine.request import Request, RequestStatus
+from sluice.engine.state_pool import StateLayout, StatePool
 from sluice.engine.stats import EngineStats
 from sluice.engine.workflow import WorkflowTracker
 
@@ -33,6 +39,11 @@ class SchedulerOutput:
     samples: list[bool] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
     num_batched_tokens: int = 0
+    # Hybrid models only. Slots to set up before the step: (state slot, snapshot slot to copy
+    # from, or None for zeros).
+    state_inits: list[tuple[int, Optional[int]]] = field(default_factory=list)
+    # request id -> (tokens of its chunk before a block boundary, snapshot slot to save into).
+    state_saves: dict[str, tuple[int, int]] = field(default_factory=dict)
 
     @property
     def empty(self) -> bool:
@@ -41,12 +52,13 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, cache: CacheConfig, num_blocks: int,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, state: Optional[StateLayout] = None) -> None:
         self.config = config
         self.block_size = cache.block_size
         self.clock = clock
         self.pool = BlockPool(num_blocks, cache.enable_prefix_caching)
         self.kv = KVCacheManager(self.pool, cache.block_size)
+        self.states = StatePool(state) if state is not None else None
         self.workflows = WorkflowTracker(self.pool, config.retention_ttl_s)
         self.policy = create_policy(config, self.workflows)
         self.waiting: list[Request] = []
@@ -152,6 +164,8 @@ class Scheduler:
         if not out.preempted:
             budget = self._admit_waiting(out, budget, now, taken)
         out.num_batched_tokens = self.config.max_num_batched_tokens - budget
+        if self.states is not None and self.pool.enable_caching:
+            self._plan_snapshots(out)
         return out
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int, now: float, taken: set[str]) -> int:
@@ -161,7 +175,9 @@ class Scheduler:
         for req in order:
             if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
                 break
-            computed = self.kv.get_computed_blocks(req)
+            if self.states is not None and not self.states.num_free_seq_slots:
+                break
+            computed = self._computed_blocks(req)
             num_hit = len(computed) * self.block_size
             n = min(req.num_tokens - num_hit, budget)
             if not self.kv.can_fit(req, n, computed):
@@ -175,12 +191,14 @@ class Scheduler:
                 idle = not out.scheduled
                 self.workflows.release_for(deficit, now, exclude=req.workflow_id,
                                            max_value=math.inf if idle else req.num_tokens)
-                computed = self.kv.get_computed_blocks(req)  # releases may have changed what is cached
+                computed = self._computed_blocks(req)  # releases may have changed what is cached
                 num_hit = len(computed) * self.block_size
                 n = min(req.num_tokens - num_hit, budget)
                 if not self.kv.can_fit(req, n, computed):
                     break  # strict priority order: later requests do not jump the blocked one
             self.kv.allocate_slots(req, n, computed)
+            if self.states is not None:
+                self._start_state(req, computed, out)
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = num_hit
                 self.kv.record_lookup(req.num_prompt_tokens, min(num_hit, req.num_prompt_tokens))
@@ -198,6 +216,44 @@ class Scheduler:
             ids = {r.request_id for r in admitted}
             self.waiting = [r for r in self.waiting if r.request_id not in ids]
         return budget
+
+    def _computed_blocks(self, req: Request) -> list:
+        """Prefix-cache hits; for hybrid models only as deep as a state snapshot reaches, since
+        the recurrent state at the end of the hit must be restored exactly."""
+        hits = self.kv.get_computed_blocks(req)
+        if self.states is None:
+            return hits
+        n = len(hits)
+        while n and not self.states.is_committed(req.block_hashes[n - 1][1]):
+            n -= 1
+        return hits[:n]
+
+    def _start_state(self, req: Request, computed: list, out: SchedulerOutput) -> None:
+        req.state_slot = self.states.allocate()
+        src = self.states.lookup(req.block_hashes[len(computed) - 1][1]) if computed else None
+        out.state_inits.append((req.state_slot, src))
+
+    def _plan_snapshots(self, out: SchedulerOutput) -> None:
+        """Snapshot each scheduled request's state at the last block boundary its chunk reaches,
+        unless that prefix already has one (or is about to)."""
+        bs = self.block_size
+        for req, n in out.scheduled:
+            c = req.num_computed_tokens
+            boundary = (c + n) // bs * bs
+            if boundary <= c:
+                continue
+            self.kv.update_block_hashes(req)
+            key = req.block_hashes[boundary // bs - 1][1]
+            if self.states.has(key):
+                continue
+            slot = self.states.reserve(key)
+            if slot is not None:
+                out.state_saves[req.request_id] = (boundary - c, slot)
+
+    def _release_state(self, req: Request) -> None:
+        if req.state_slot is not None:
+            self.states.free(req.state_slot)
+            req.state_slot = None
 
     def _count_held_blocks(self) -> None:
         """Refresh each workflow's `num_blocks_held` (blocks of its running calls) for the policy."""
@@ -236,6 +292,8 @@ class Scheduler:
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         self.kv.free(req)
+        if self.states is not None:
+            self._release_state(req)  # recomputed on resumption: a fresh (or snapshot) state
         req.num_computed_tokens = 0
         req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1
@@ -250,6 +308,8 @@ class Scheduler:
         """Advance computed counts, append sampled tokens (one per sampling entry, in order) and
         apply token-level stops. Returns the requests that received a token."""
         now = self.clock()
+        if self.states is not None:
+            self.states.commit_pending()  # the step wrote its planned snapshots
         updated = []
         it = iter(sampled)
         for (req, n), samples in zip(out.scheduled, out.samples):
@@ -285,6 +345,8 @@ class Scheduler:
         elif req in self.waiting:
             self.waiting.remove(req)
         req.status = status
+        if self.states is not None:
+            self._release_state(req)
         retain = (req.has_named_workflow and not req.is_last_step
                   and status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH))
         if retain and req.num_cached_blocks > 0:
@@ -350,3 +412,6 @@ class Scheduler:
         for b in self.pool.blocks:
             assert b.ref_cnt == refs.get(b.block_id, 0), (
                 f"block {b.block_id}: ref_cnt {b.ref_cnt} but {refs.get(b.block_id, 0)} holders")
+        if self.states is not None:
+            assert all(r.state_slot is None for r in self.waiting), "a waiting request holds a state slot"
+            self.states.check_invariants([r.state_slot for r in self.running])

@@ -8,7 +8,8 @@ step's computation, whatever the number of tokens or experts:
 1. flatten the (token, k) assignments and sort them by expert (a stable argsort), so each
    expert's rows are contiguous; expert e owns rows `offsets[e-1]:offsets[e]`;
 2. gather the token rows in that order and run two grouped matmuls over the groups (gate/up,
-   then down), with silu(gate) * up in between;
+   then down), with silu(gate) * up in between (clamped first where the model sets a
+   `swiglu_limit`);
 3. scale each row by its routing weight, scatter back to (token, k) order and sum over k.
 
 The grouped matmul is `torch._grouped_mm` where the platform has it (one kernel over all
@@ -70,8 +71,18 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, *, use_k
     return torch.bmm(padded, w[hit])[group, slot]                                    # [M, N]
 
 
+def swiglu(gate_up: torch.Tensor, limit: Optional[float] = None) -> torch.Tensor:
+    """[T, 2 * I] -> [T, I]: silu(gate) * up; with `limit` (GLM-5.3's `swiglu_limit`), gate is
+    clamped to at most `limit` and up to [-limit, limit] first."""
+    if limit is None:
+        return silu_and_mul(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate.clamp(max=limit)) * up.clamp(-limit, limit)
+
+
 def fused_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, topk_ids: torch.Tensor,
-                  topk_weights: torch.Tensor, *, use_kernel: Optional[bool] = None) -> torch.Tensor:
+                  topk_weights: torch.Tensor, *, use_kernel: Optional[bool] = None,
+                  swiglu_limit: Optional[float] = None) -> torch.Tensor:
     """sum_k weight[t, k] * expert_{ids[t, k]}(x[t]) for every token, as grouped matmuls.
 
     x [T, H]; gate_up [E, 2I, H]; down [E, H, I]; topk_ids [T, K] int; topk_weights [T, K].
@@ -83,7 +94,7 @@ def fused_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, to
     offsets = torch.cumsum(torch.bincount(flat, minlength=num_experts), 0).to(torch.int32)  # [E]
     rows = x[order // k]                                                          # [T*K, H]
     h = grouped_mm(rows, gate_up.transpose(1, 2), offsets, use_kernel=use_kernel)  # [T*K, 2I]
-    h = grouped_mm(silu_and_mul(h), down.transpose(1, 2), offsets, use_kernel=use_kernel)  # [T*K, H]
+    h = grouped_mm(swiglu(h, swiglu_limit), down.transpose(1, 2), offsets, use_kernel=use_kernel)  # [T*K, H]
     h = h * topk_weights.reshape(-1)[order, None].to(h.dtype)
     out = torch.empty_like(h)
     out[order] = h                                                                # back to (token, k) order
@@ -93,13 +104,16 @@ def fused_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, to
 class FusedExperts(nn.Module):
     """E SwiGLU experts in stacked tensors; `forward(x, topk_ids, topk_weights)`."""
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
+                 swiglu_limit: Optional[float] = None) -> None:
         super().__init__()
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        self.swiglu_limit = swiglu_limit
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
-        return fused_experts(x, self.gate_up_proj, self.down_proj, topk_ids, topk_weights)
+        return fused_experts(x, self.gate_up_proj, self.down_proj, topk_ids, topk_weights,
+                             swiglu_limit=self.swiglu_limit)
 
 
 class TopKRouter(nn.Module):

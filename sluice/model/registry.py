@@ -2,12 +2,13 @@
 from __future__ import annotations
 
 import importlib
-from typing import Callable
+from typing import Callable, Optional
 
 from torch import nn
 
 from sluice.attention.base import AttentionBackend
 from sluice.config import ModelConfig
+from sluice.model.cache_spec import ModelCacheSpec
 
 ModelFactory = Callable[[ModelConfig, AttentionBackend], nn.Module]
 _REGISTRY: dict[str, ModelFactory] = {}
@@ -35,8 +36,22 @@ for _module, _cls, _archs in [
     ("sluice.model.qwen", "Qwen3MoeForCausalLM", ("Qwen3MoeForCausalLM",)),
     ("sluice.model.mixtral", "MixtralForCausalLM", ("MixtralForCausalLM",)),
     ("sluice.model.glm4_moe", "Glm4MoeForCausalLM", ("Glm4MoeForCausalLM",)),
+    ("sluice.model.glm5_next", "Glm5NextForCausalLM", ("Glm5NextForConditionalGeneration",)),
 ]:
     register_model(*_archs)(_lazy(_module, _cls))
+
+# Architectures whose layers keep different caches (see cache_spec.py): module, spec function.
+# Every other architecture gets the runner's default per-layer K/V tensors.
+_CACHE_SPECS: dict[str, tuple[str, str]] = {
+    "Glm5NextForConditionalGeneration": ("sluice.model.glm5_next", "cache_spec"),
+}
+
+
+def model_cache_spec(cfg: ModelConfig) -> Optional[ModelCacheSpec]:
+    entry = _CACHE_SPECS.get(cfg.architecture)
+    if entry is None:
+        return None
+    return getattr(importlib.import_module(entry[0]), entry[1])(cfg)
 
 
 def supported_architectures() -> list[str]:
