@@ -42,6 +42,11 @@ class _Abort:
     request_id: str
 
 
+def _deliver(deliveries: list) -> None:
+    for stream, item in deliveries:
+        stream.put_nowait(item)
+
+
 class AsyncEngine:
     IDLE_TICK_S = 0.25   # how often an idle loop expires retentions and refreshes stats
 
@@ -167,12 +172,15 @@ class AsyncEngine:
                 if self.step_hook is not None:
                     self.step_hook()
                 outputs = eng.step()
+                deliveries = []
                 for out in outputs:
                     stream = self._streams.get(out.request_id)
                     if out.finished:
                         self._streams.pop(out.request_id, None)
                     if stream is not None:
-                        self._post(stream, out)
+                        deliveries.append((stream, out))
+                if deliveries:  # one wake-up of the event loop per step, not one per request
+                    self._loop.call_soon_threadsafe(_deliver, deliveries)
                 if not outputs and eng.has_unfinished() and eng.scheduler.running == []:
                     time.sleep(0.005)  # waiting work blocked on memory held elsewhere; do not spin
                 if not eng.has_unfinished():
