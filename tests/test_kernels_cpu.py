@@ -219,3 +219,20 @@ def test_real_model_on_the_kernels_matches_the_torch_path():
     top = a.argmax(-1, keepdim=True)
     gap = (a.gather(-1, top) - b.gather(-1, top)).abs()
     assert gap.median().item() < 0.1 and gap.max().item() < 1.0, (gap.median().item(), gap.max().item())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_argmax_rows_matches_torch_argmax(dtype):
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(9, 49152 + 7, generator=g).to(dtype)
+    x[1, 100] = x[1, 40000] = 50.0                     # a tie: the first index wins
+    x[2] = float("-inf")                                # all -inf: index 0
+    x[3, 17] = float("nan")                             # NaN wins, as in torch
+    x[4, -1] = 60.0                                     # the maximum in the tail past the last vector
+    x[5, :16] = 70.0                                    # equal maxima across all lanes of the first vector
+    x[6] = 1.0                                          # all equal: index 0
+    wide = torch.randn(9, 60000, generator=g).to(dtype)
+    wide[:, :x.shape[1]] = x
+    for t in (x, wide[:, :x.shape[1]]):                 # contiguous, and rows further apart
+        assert torch.equal(torch.ops.sluice.argmax_rows(t), t.argmax(dim=-1))
+    assert torch.ops.sluice.argmax_rows(x[:0]).shape == (0,)

@@ -43,6 +43,14 @@ def state_layout(config: EngineConfig) -> Optional[StateLayout]:
     return StateLayout(num_seq_slots=n, num_snapshots=n if config.cache.enable_prefix_caching else 0)
 
 
+def _compiled_argmax(model: nn.Module):
+    """The cpu backend's row-wise argmax when the model runs on that backend, else None (torch's)."""
+    backends = {getattr(m, "backend", None) for m in model.modules()}
+    if any(getattr(b, "name", None) == "cpu" for b in backends):
+        return torch.ops.sluice.argmax_rows
+    return None
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, model: nn.Module, num_blocks: int) -> None:
         self.config = config
@@ -58,12 +66,11 @@ class ModelRunner:
                               for _ in range(m.num_hidden_layers)]
         else:
             # [layers][the layer's tensors]: paged [num_blocks, block_size, ...] or state [num_slots, ...]
-            layout = state_layout(config)
-            self.kv_caches = spec.allocate(num_blocks, self.block_size, layout.num_slots if layout else 0,
+            self.kv_caches = spec.allocate(num_blocks, self.block_size, state.num_slots if state else 0,
                                            config.dtype)
             self.state_tensors = [t for layer, specs in zip(self.kv_caches, spec.layers)
                                   for t, s in zip(layer, specs) if not s.paged]
-        self.sampler = Sampler()
+        self.sampler = Sampler(argmax=_compiled_argmax(model))
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> RunnerOutput:

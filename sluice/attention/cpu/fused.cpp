@@ -19,6 +19,7 @@
 #include <immintrin.h>
 
 #include <cmath>
+#include <limits>
 #include <cstdint>
 #include <tuple>
 
@@ -133,9 +134,75 @@ void rotary_(at::Tensor q, at::Tensor k, const at::Tensor& positions, const at::
   });
 }
 
+// Index of the first maximum of each row of [B, V] logits (bf16 or float32), as torch.argmax: a
+// lane keeps its first strict maximum, then the lanes holding the row's maximum give their
+// smallest index. torch's CPU argmax over the last dim is a scalar loop (~5 ns per element, 8 ms
+// for 32 rows of a 49k vocabulary); this is one vector pass.
+template <bool kBf16>
+int64_t argmax_row(const void* row, int64_t v) {
+  __m512 best = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  __m512i best_idx = _mm512_set1_epi32(-1);
+  __m512i idx = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512i step = _mm512_set1_epi32(16);
+  for (int64_t j = 0; j < v; j += 16) {
+    const __mmask16 m = tail_mask(v - j);
+    __m512 x;
+    if constexpr (kBf16) {
+      x = load_bf16(static_cast<const bf16*>(row) + j, m);
+    } else {
+      x = _mm512_maskz_loadu_ps(m, static_cast<const float*>(row) + j);
+    }
+    // NaN compares unordered-true here, so a NaN wins like it does in torch.argmax.
+    const __mmask16 gt = _mm512_mask_cmp_ps_mask(m, x, best, _CMP_NLE_UQ) & ~_mm512_mask_cmp_ps_mask(m, best, best, _CMP_UNORD_Q);
+    best = _mm512_mask_mov_ps(best, gt, x);
+    best_idx = _mm512_mask_mov_epi32(best_idx, gt, idx);
+    idx = _mm512_add_epi32(idx, step);
+  }
+  alignas(64) float vals[16];
+  alignas(64) int32_t ids[16];
+  _mm512_store_ps(vals, best);
+  _mm512_store_si512(ids, best_idx);
+  int64_t out = -1;  // all lanes still -1: every logit is -inf, and torch.argmax answers 0
+  float top = 0.0f;
+  bool top_nan = false;
+  for (int l = 0; l < 16; ++l) {
+    if (ids[l] < 0) continue;
+    const bool nan = std::isnan(vals[l]);
+    bool better;
+    if (out < 0) better = true;
+    else if (nan != top_nan) better = nan;
+    else if (nan) better = ids[l] < out;
+    else better = vals[l] > top || (vals[l] == top && ids[l] < out);
+    if (better) {
+      top = vals[l];
+      out = ids[l];
+      top_nan = nan;
+    }
+  }
+  return out < 0 ? 0 : out;
+}
+
+at::Tensor argmax_rows(const at::Tensor& logits) {
+  TORCH_CHECK(logits.dim() == 2 && logits.stride(1) == 1, "logits must be [B, V] with contiguous rows");
+  TORCH_CHECK(logits.scalar_type() == at::kBFloat16 || logits.scalar_type() == at::kFloat, "logits must be bf16 or float32");
+  TORCH_CHECK(logits.size(1) > 0 && logits.size(1) < (int64_t{1} << 31), "vocabulary size out of range");
+  const int64_t b = logits.size(0), v = logits.size(1), ld = logits.stride(0);
+  at::Tensor out = at::empty({b}, logits.options().dtype(at::kLong));
+  int64_t* op = out.data_ptr<int64_t>();
+  const bool is_bf16 = logits.scalar_type() == at::kBFloat16;
+  const char* base = static_cast<const char*>(logits.data_ptr());
+  const int64_t row_bytes = ld * (is_bf16 ? 2 : 4);
+  at::parallel_for(0, b, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i)
+      op[i] = is_bf16 ? argmax_row<true>(base + i * row_bytes, v) : argmax_row<false>(base + i * row_bytes, v);
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(sluice, m) {
+  m.def("argmax_rows(Tensor logits) -> Tensor", &argmax_rows);
   m.def("rms_norm(Tensor x, Tensor? residual, Tensor weight, float eps) -> (Tensor, Tensor)", &rms_norm);
   m.def("rotary_(Tensor(a!) q, Tensor(b!) k, Tensor positions, Tensor cos, Tensor sin) -> ()", &rotary_);
 }
