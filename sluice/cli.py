@@ -18,6 +18,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     kv.add_argument("--kv-cache-gib", type=float, default=None)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--max-state-snapshots", type=int, default=None, metavar="N",
+                   help="hybrid models (GLM-5.3): recurrent-state snapshots kept for prefix caching, taken "
+                        "out of the KV budget (default: up to --max-num-seqs, at most a quarter of the cache; "
+                        "0: none, so no prefix-cache hits)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--scheduling-policy", default="workflow", choices=["fcfs", "workflow"])
     p.add_argument("--max-waiting-requests", type=int, default=None)
@@ -60,6 +64,7 @@ def build_engine_config(args: argparse.Namespace):
             kv_cache_tokens=args.kv_cache_tokens,
             kv_cache_gib=args.kv_cache_gib,
             enable_prefix_caching=not args.no_prefix_caching,
+            max_state_snapshots=args.max_state_snapshots,
         ),
         scheduler=SchedulerConfig(
             max_num_seqs=args.max_num_seqs,

@@ -61,10 +61,15 @@ class CacheConfig:
     kv_cache_tokens: Optional[int] = None
     kv_cache_gib: Optional[float] = None
     enable_prefix_caching: bool = True
+    # Hybrid models: recurrent-state snapshots kept for the prefix cache (None: a default bound,
+    # see engine/cache_plan.py; 0: none, so such a model gets no prefix-cache hits).
+    max_state_snapshots: Optional[int] = None
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ValueError("block_size must be a positive power of two")
+        if self.max_state_snapshots is not None and self.max_state_snapshots < 0:
+            raise ValueError("max_state_snapshots must be >= 0")
         if self.kv_cache_tokens is not None and self.kv_cache_gib is not None:
             raise ValueError("give at most one of kv_cache_tokens and kv_cache_gib")
 

@@ -30,6 +30,8 @@ class LLM:
         scheduling_policy: str = "fcfs",
         attention_backend: str = "auto",
         seed: int = 0,
+        kv_cache_gib: Optional[float] = None,         # instead of kv_cache_tokens
+        max_state_snapshots: Optional[int] = None,    # hybrid models (see CacheConfig)
     ) -> None:
         path: Path = resolve_model_path(model)
         cfg = load_model_config(path)
@@ -37,8 +39,10 @@ class LLM:
         self.engine = LLMEngine(EngineConfig(
             model_path=str(path),
             model=cfg,
-            cache=CacheConfig(block_size=block_size, kv_cache_tokens=kv_cache_tokens or max(max_len, 16384),
-                              enable_prefix_caching=enable_prefix_caching),
+            cache=CacheConfig(block_size=block_size, kv_cache_gib=kv_cache_gib,
+                              kv_cache_tokens=None if kv_cache_gib is not None else
+                              kv_cache_tokens or max(max_len, 16384),
+                              enable_prefix_caching=enable_prefix_caching, max_state_snapshots=max_state_snapshots),
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                       max_model_len=max_len, policy=scheduling_policy),
             dtype=parse_dtype(dtype) if isinstance(dtype, str) else dtype,

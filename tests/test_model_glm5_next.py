@@ -21,6 +21,8 @@ scores are well separated, and the greedy-token check would fail loudly on a fli
 """
 from __future__ import annotations
 
+import argparse
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -31,15 +33,18 @@ from transformers import Glm5NextConfig, Glm5NextForConditionalGeneration
 
 from sluice.attention import AttentionMetadata
 from sluice.attention.base import StateMetadata
+from sluice.cli import add_engine_args, build_engine_config
 from sluice.config import CacheConfig, SchedulerConfig
+from sluice.engine.cache_plan import CachePlan, plan_cache
 from sluice.engine.request import Request
 from sluice.engine.scheduler import Scheduler
-from sluice.engine.state_pool import StateLayout
+from sluice.engine.state_pool import StateLayout, StatePool
 from sluice.llm import LLM
 from sluice.model.glm5_next import DsaIndexer, KimiDeltaAttention, MlaAttention
 from sluice.model.moe import SparseMoeBlock
 from sluice.model.registry import model_cache_spec
 from sluice.sampling_params import SamplingParams
+from sluice.server.metrics import ServerMetrics
 
 ATOL = 1e-4
 TEXT = dict(
@@ -311,9 +316,154 @@ def test_kv_cache_is_sized_by_the_mla_layers(setup):
     assert [tuple(t.shape[2:]) for t in runner.kv_caches[1]] == [(32,), (32,)]
     assert [tuple(t.shape[2:]) for t in runner.kv_caches[2]] == [(32,)]
     conv, ssm = runner.kv_caches[0]
-    assert conv.shape == (128, 3 * 64, 3) and ssm.shape == (128, 4, 16, 16) and ssm.dtype == torch.float32
+    # 64 sequence slots + 15 snapshots (a quarter of the 2048-token cache's 768 KiB, 12800 B each)
+    assert conv.shape == (79, 3 * 64, 3) and ssm.shape == (79, 4, 16, 16) and ssm.dtype == torch.float32
     spec = model_cache_spec(setup.llm.engine.config.model)
     assert spec.bytes_per_token(torch.float32) == (32 + 32 + 32) * 4
+    assert spec.bytes_per_state(torch.float32) == STATE_BYTES
+
+
+# --- memory accounting: state slots and snapshots in the KV budget ----------------------------
+# One sequence's state: 2 KDA layers x (conv [3 * 64, 3] + recurrent [4, 16, 16]) float32.
+STATE_BYTES = 2 * (3 * 64 * 3 + 4 * 16 * 16) * 4          # 12800
+BLOCK_BYTES = 16 * (32 + 32 + 32) * 4                       # 6144: a 16-token block of the MLA layers
+BUDGET_GIB = 2 / 1024                                       # 2 MiB
+
+
+def _plan(gib=BUDGET_GIB, num_seqs=4, snapshots=None, caching=True, max_model_len=128):
+    return plan_cache(CacheConfig(block_size=16, kv_cache_gib=gib, max_state_snapshots=snapshots,
+                                  enable_prefix_caching=caching),
+                      SchedulerConfig(max_num_seqs=num_seqs, max_model_len=max_model_len),
+                      BLOCK_BYTES // 16, STATE_BYTES)
+
+
+def test_a_gib_budget_pays_for_state_slots_and_snapshots():
+    budget = 2 << 20
+    assert CacheConfig(kv_cache_gib=BUDGET_GIB).resolve_num_blocks(BLOCK_BYTES // 16) == budget // BLOCK_BYTES == 341
+    plan = _plan()      # 4 sequence slots, 4 snapshots (min(max_num_seqs, a quarter of the room))
+    assert (plan.state.num_seq_slots, plan.state.num_snapshots) == (4, 4)
+    assert plan.num_blocks == (budget - 8 * STATE_BYTES) // BLOCK_BYTES == 324
+    assert plan.total_bytes <= budget < plan.total_bytes + BLOCK_BYTES
+    plan = _plan(snapshots=10)
+    assert plan.state.num_snapshots == 10 and plan.num_blocks == (budget - 14 * STATE_BYTES) // BLOCK_BYTES
+    assert _plan(snapshots=0).num_blocks == (budget - 4 * STATE_BYTES) // BLOCK_BYTES
+    assert _plan(snapshots=10, caching=False).state.num_snapshots == 0
+    # the default bound: a quarter of what the sequence slots leave (2 MiB - 64 x 12800 B)
+    assert _plan(num_seqs=64).state.num_snapshots == int(0.25 * (budget - 64 * STATE_BYTES)) // STATE_BYTES
+    # a token budget sizes the blocks; the slots come on top
+    tokens = plan_cache(CacheConfig(block_size=16, kv_cache_tokens=2048), SchedulerConfig(max_num_seqs=4),
+                        BLOCK_BYTES // 16, STATE_BYTES)
+    assert tokens.num_blocks == 128 and tokens.state == StateLayout(4, 4)
+    # models without recurrent state: exactly resolve_num_blocks
+    plain = plan_cache(CacheConfig(kv_cache_gib=BUDGET_GIB), SchedulerConfig(), BLOCK_BYTES // 16, 0)
+    assert plain == CachePlan(341, BLOCK_BYTES, None)
+
+
+def test_a_budget_without_room_for_the_state_slots_is_refused(setup):
+    with pytest.raises(ValueError, match=r"64 recurrent-state slots .*--max-num-seqs \(at most \d+ fit\)"):
+        _plan(gib=0.5 / 1024, num_seqs=64)
+    with pytest.raises(ValueError, match=r"--max-state-snapshots"):
+        _plan(snapshots=200)
+    with pytest.raises(ValueError, match=r"--max-model-len"):
+        _plan(max_model_len=8192)
+    with pytest.raises(ValueError, match=r"--kv-cache-gib"):     # at startup, before the weights load
+        LLM(str(setup.folder), dtype="float32", max_model_len=128, kv_cache_gib=0.5 / 1024)
+
+
+def test_the_engine_allocates_what_the_budget_says(setup):
+    """Every cache tensor the runner holds (paged and state) adds up to the plan, within the budget."""
+    llm = LLM(str(setup.folder), dtype="float32", max_model_len=128, max_num_seqs=4, kv_cache_gib=BUDGET_GIB)
+    plan = llm.engine.cache_plan
+    assert plan == _plan()
+    held = sum(t.numel() * t.element_size() for layer in llm.engine.runner.kv_caches for t in layer)
+    assert held == plan.total_bytes <= 2 << 20
+    stats = llm.engine.stats()
+    assert (stats.kv_blocks_total, stats.state_slots_total, stats.state_snapshots_total) == (324, 4, 4)
+    outs = llm.generate(PROMPTS, PARAMS)
+    for prompt, out in zip(PROMPTS, outs):
+        _assert_matches(setup, prompt, out)
+    _drained(llm)
+
+
+def test_without_snapshots_a_repeated_prompt_is_recomputed(setup):
+    """`max_state_snapshots=0`: no snapshot slot, so a hybrid model never gets a prefix-cache hit,
+    and the repeated prompt's tokens are still transformers'."""
+    llm = LLM(str(setup.folder), dtype="float32", max_model_len=128, kv_cache_tokens=1024, max_state_snapshots=0)
+    assert llm.engine.runner.state_tensors[0].shape[0] == 64
+    prompt = PREFIX_PROMPTS[0]
+    for _ in range(2):
+        [out] = llm.generate([prompt], PARAMS)
+        assert out.num_cached_tokens == 0
+        _assert_matches(setup, prompt, out)
+    stats = llm.engine.stats()
+    assert stats.prefix_cache_hits == 0 and stats.state_snapshots_total == stats.state_snapshots_used == 0
+    _drained(llm)
+
+
+def test_snapshots_are_bounded_by_the_setting(setup):
+    llm = LLM(str(setup.folder), dtype="float32", max_model_len=128, max_num_seqs=8, kv_cache_tokens=2048,
+              max_state_snapshots=2)
+    assert [t.shape[0] for t in llm.engine.runner.state_tensors] == [8 + 2] * 4
+    states = llm.engine.scheduler.states
+    for prompt in PROMPTS + PREFIX_PROMPTS:        # many more boundaries than snapshot slots
+        [out] = llm.generate([prompt], PARAMS)
+        _assert_matches(setup, prompt, out)
+        assert states.num_snapshots <= 2
+    assert llm.engine.stats().state_snapshots_used == 2
+    [out] = llm.generate([PROMPTS[1]], PARAMS)          # its snapshots were evicted long ago
+    assert out.num_cached_tokens == 0
+    _drained(llm)
+
+
+def test_snapshots_are_evicted_least_recently_used_first():
+    pool = StatePool(StateLayout(num_seq_slots=1, num_snapshots=2))
+    a, b, c = "a", "b", "c"                        # any hashable key stands for a block hash
+    slots = [pool.reserve(a), pool.reserve(b)]
+    assert pool.reserve(c) is None                 # both reserved by this step: nothing to evict
+    pool.commit_pending()
+    assert pool.lookup(a) == slots[0]              # a is now the most recently used
+    assert pool.reserve(c) == slots[1]             # so b goes
+    pool.commit_pending()
+    assert pool.is_committed(a) and pool.is_committed(c) and not pool.is_committed(b)
+    assert pool.num_snapshots == 2
+    pool.check_invariants([])
+
+
+def test_state_stats_and_metrics(setup):
+    llm = LLM(str(setup.folder), dtype="float32", max_model_len=128, max_num_seqs=4, kv_cache_gib=BUDGET_GIB)
+    engine = llm.engine
+    engine.add_request("r", PREFIX_PROMPTS[0], PARAMS)
+    engine.step()
+    running = engine.stats()
+    assert (running.state_slots_used, running.state_snapshots_used) == (1, 1)   # at 32, the chunk's last boundary
+    while engine.has_unfinished():
+        engine.step()
+    _drained(llm)
+    samples = _render(engine.stats)
+    assert samples["sluice:state_slots_total"] == 4 and samples["sluice:state_slots_used"] == 0
+    assert samples["sluice:state_snapshots_total"] == 4
+    assert samples["sluice:state_snapshots"] == engine.scheduler.states.num_snapshots > 0
+    plain = _render(lambda: dataclasses.replace(engine.stats(), state_slots_total=0, state_slots_used=0,
+                                                state_snapshots_total=0, state_snapshots_used=0))
+    assert all(plain[f"sluice:{n}"] == 0 for n in ("state_slots_total", "state_slots_used",
+                                                    "state_snapshots_total", "state_snapshots"))
+
+
+def _render(stats) -> dict[str, float]:
+    text = ServerMetrics(stats, "m").render().decode()
+    return {line.split("{")[0]: float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines() if line.startswith("sluice:state")}
+
+
+def test_cli_max_state_snapshots(setup):
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    cfg = build_engine_config(parser.parse_args(["--model", str(setup.folder), "--max-state-snapshots", "0"]))
+    assert cfg.cache.max_state_snapshots == 0
+    cfg = build_engine_config(parser.parse_args(["--model", str(setup.folder)]))
+    assert cfg.cache.max_state_snapshots is None
+    with pytest.raises(ValueError):
+        CacheConfig(max_state_snapshots=-1)
 
 
 # --- the scheduler's state rules, with hand-built outputs --------------------------------------

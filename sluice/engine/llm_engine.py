@@ -17,7 +17,8 @@ from sluice.attention import create_backend
 from sluice.config import EngineConfig
 from sluice.engine.detokenizer import IncrementalDetokenizer
 from sluice.engine.errors import RequestRejected
-from sluice.engine.model_runner import ModelRunner, kv_bytes_per_token, state_layout
+from sluice.engine.cache_plan import plan_for
+from sluice.engine.model_runner import ModelRunner
 from sluice.engine.request import Request, RequestStatus
 from sluice.engine.scheduler import Scheduler, SchedulerOutput
 from sluice.engine.stats import EngineStats
@@ -72,17 +73,23 @@ class LLMEngine:
         from pathlib import Path
 
         self.tokenizer = tokenizer or load_tokenizer(Path(path))
-        t0 = time.perf_counter()
-        model = load_model(Path(path), config.model, config.dtype, create_backend(config.attention_backend))
-        logger.info("loaded %s (%s) in %.1fs", path, config.model.architecture, time.perf_counter() - t0)
-        num_blocks = config.cache.resolve_num_blocks(kv_bytes_per_token(config))
+        plan = plan_for(config)   # before loading: a budget that cannot work fails at once
+        num_blocks = plan.num_blocks
         capacity = num_blocks * config.cache.block_size
         if config.scheduler.max_model_len > capacity:
             raise ValueError(
                 f"the KV cache holds {capacity} tokens, less than max_model_len "
                 f"{config.scheduler.max_model_len}; raise --kv-cache-tokens/--kv-cache-gib or lower --max-model-len")
-        self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks, clock, state_layout(config))
-        self.runner = ModelRunner(config, model, num_blocks)
+        if plan.state is not None:
+            logger.info("KV cache: %d blocks (%.2f GiB) + %d state slots + %d snapshots of %.1f MiB (%.2f GiB)",
+                        num_blocks, plan.paged_bytes / (1 << 30), plan.state.num_seq_slots,
+                        plan.state.num_snapshots, plan.bytes_per_state / (1 << 20), plan.state_bytes / (1 << 30))
+        t0 = time.perf_counter()
+        model = load_model(Path(path), config.model, config.dtype, create_backend(config.attention_backend))
+        logger.info("loaded %s (%s) in %.1fs", path, config.model.architecture, time.perf_counter() - t0)
+        self.cache_plan = plan
+        self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks, clock, plan.state)
+        self.runner = ModelRunner(config, model, num_blocks, plan.state)
         self.eos_token_ids = tuple(dict.fromkeys(self.tokenizer.eos_token_ids + config.model.eos_token_ids))
         self.vocab_size = config.model.vocab_size
         self._groups: dict[str, _Group] = {}

@@ -33,16 +33,6 @@ def kv_bytes_per_token(config: EngineConfig) -> int:
     return 2 * m.num_hidden_layers * m.num_key_value_heads * m.head_dim * torch.finfo(config.dtype).bits // 8
 
 
-def state_layout(config: EngineConfig) -> Optional[StateLayout]:
-    """Recurrent-state slots for a hybrid model (None for pure attention): one per possible
-    running request, and as many prefix-cache snapshots when prefix caching is on."""
-    spec = model_cache_spec(config.model)
-    if spec is None or not spec.has_state:
-        return None
-    n = config.scheduler.max_num_seqs
-    return StateLayout(num_seq_slots=n, num_snapshots=n if config.cache.enable_prefix_caching else 0)
-
-
 def _compiled_argmax(model: nn.Module):
     """The cpu backend's row-wise argmax when the model runs on that backend, else None (torch's)."""
     backends = {getattr(m, "backend", None) for m in model.modules()}
@@ -52,7 +42,9 @@ def _compiled_argmax(model: nn.Module):
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model: nn.Module, num_blocks: int) -> None:
+    def __init__(self, config: EngineConfig, model: nn.Module, num_blocks: int,
+                 state: Optional[StateLayout] = None) -> None:
+        """`state`: a hybrid model's recurrent-state slots, as engine/cache_plan.py planned them."""
         self.config = config
         self.model = model
         self.block_size = config.cache.block_size

@@ -11,7 +11,8 @@ one asking may yield itself, and one already scheduled this step is withdrawn fr
 Hybrid models (linear-attention layers with a recurrent state) also get a state slot per running
 request from a `StatePool` (see state_pool.py): taken at admission, given back on finish, abort
 and preemption. Their prefix-cache hits are cut back to the deepest block with a state snapshot,
-and each step plans a snapshot at the last block boundary a request's chunk crosses.
+and each step plans a snapshot at the last block boundary a request's chunk crosses (when the
+pool has snapshot slots: with none, such a model gets no prefix-cache hits).
 """
 from __future__ import annotations
 
@@ -164,7 +165,7 @@ class Scheduler:
         if not out.preempted:
             budget = self._admit_waiting(out, budget, now, taken)
         out.num_batched_tokens = self.config.max_num_batched_tokens - budget
-        if self.states is not None and self.pool.enable_caching:
+        if self.states is not None and self.pool.enable_caching and self.states.layout.num_snapshots:
             self._plan_snapshots(out)
         return out
 
@@ -380,6 +381,7 @@ class Scheduler:
         free = self.pool.num_free_blocks
         evictable = self.pool.num_evictable_blocks
         used = self.pool.num_blocks - free - retained
+        st = self.states
         return EngineStats(
             num_running=len(self.running),
             num_waiting=len(self.waiting),
@@ -396,6 +398,10 @@ class Scheduler:
             generation_tokens_total=self.generation_tokens_total,
             num_workflows=len(self.workflows.workflows),
             accepting=self.accepting(),
+            state_slots_total=st.layout.num_seq_slots if st else 0,
+            state_slots_used=st.num_held if st else 0,
+            state_snapshots_total=st.layout.num_snapshots if st else 0,
+            state_snapshots_used=st.num_snapshots if st else 0,
         )
 
     def check_invariants(self) -> None:

@@ -7,14 +7,16 @@ rows; this pool decides which row is whose:
 - **sequence slots** `0 .. num_seq_slots - 1`: one per running request, taken at admission and
   given back on finish, abort and preemption (preemption recomputes: the resumed request gets a
   fresh slot, zeroed or restored from a snapshot). `num_seq_slots = max_num_seqs`, so admission
-  is bounded by the batch limit, never by slots;
+  is bounded by the batch limit, never by slots (engine/cache_plan.py takes their memory out of
+  the KV budget, or refuses a budget that cannot hold them);
 - **snapshot slots** `num_seq_slots ..`: copies of some request's state exactly at a block
   boundary, keyed by the hash of the block that ends there (the chained hash covers the whole
   prefix, so a key names exactly one token prefix). A prefix-cache hit for a hybrid model is
   cut back to the deepest hit block that has a snapshot; the request's slot starts as a copy of
   it. Snapshots are reserved while scheduling, written by the model during the step, and become
   findable only once the step is done (`commit_pending`); the least recently used committed
-  snapshot is reused first.
+  snapshot is reused first. Their number is `CacheConfig.max_state_snapshots` (or the plan's
+  default bound); with none, a hybrid model gets no prefix-cache hits.
 """
 from __future__ import annotations
 
@@ -28,7 +30,7 @@ from sluice.engine.block_pool import BlockHash
 @dataclass(frozen=True)
 class StateLayout:
     num_seq_slots: int      # one per running request (= max_num_seqs)
-    num_snapshots: int      # block-boundary snapshots kept for the prefix cache (LRU)
+    num_snapshots: int      # block-boundary snapshots kept for the prefix cache (LRU; 0: none)
 
     @property
     def num_slots(self) -> int:
@@ -102,6 +104,11 @@ class StatePool:
     @property
     def num_held(self) -> int:
         return len(self._held)
+
+    @property
+    def num_snapshots(self) -> int:
+        """Snapshot slots holding a snapshot, committed or being written by the coming step."""
+        return len(self._snapshots) + len(self._pending)
 
     def check_invariants(self, holders: list[int]) -> None:
         """`holders`: the slots running requests say they hold."""

@@ -64,6 +64,14 @@ class _EngineStatsCollector(Collector):
         yield self._gauge("sluice:kv_cache_blocks_evictable", "Cached, unreferenced, reclaimable KV blocks.",
                           s.kv_blocks_evictable)
         yield self._gauge("sluice:kv_cache_blocks_free", "Empty KV blocks.", s.kv_blocks_free)
+        yield self._gauge("sluice:state_slots_total", "Recurrent-state sequence slots (hybrid models; else 0).",
+                          s.state_slots_total)
+        yield self._gauge("sluice:state_slots_used", "Recurrent-state slots held by running requests.",
+                          s.state_slots_used)
+        yield self._gauge("sluice:state_snapshots_total", "Recurrent-state snapshot slots for the prefix cache.",
+                          s.state_snapshots_total)
+        yield self._gauge("sluice:state_snapshots", "Recurrent-state snapshots kept for the prefix cache.",
+                          s.state_snapshots_used)
         yield self._gauge("sluice:accepting_requests", "1 when admission control accepts new work.",
                           1.0 if s.accepting else 0.0)
         yield self._counter("sluice:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
