@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # The measured comparisons of docs/benchmarks.md: sluice vs vLLM 0.32 (CPU), one after the other.
 #
-#   scripts/bench-vs-vllm.sh [plenty|pressure|all]   (default all)
+#   scripts/bench-vs-vllm.sh [plenty|pressure|single|all]   (default all)
 #
 # plenty:   both engines with a 1 GiB KV cache (the working set fits): burst and sustained.
 # pressure: both with 24,064 tokens of KV (vLLM: 188 blocks of 128), smaller than the working set
 #           of 32 concurrent workflows: sluice `workflow`, sluice `fcfs`, vLLM; sustained.
+# single:   one workflow at a time (concurrency 1, 4 workflows): what a user of one agent sees.
 # Results go to bench-results/<name>/ (results.json, summary.md, compare.md, plots).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -45,4 +46,11 @@ if [ "$WHAT" = pressure ] || [ "$WHAT" = all ]; then
     "$SLUICE" bench sustained --quiet --base-url "http://127.0.0.1:8001/v1" \
         --window "$WINDOW" --concurrency "$CONC" --repeats "$PREPEATS" --out "$OUT/pressure-fcfs"
     kill -TERM "$SERVER"; wait "$SERVER" || true
+fi
+
+if [ "$WHAT" = single ] || [ "$WHAT" = all ]; then
+    "$SLUICE" bench compare --scenario burst --quiet \
+        --a "$A" --a-label sluice --a-cmd "$SLUICE serve --port 8000" \
+        --b "$B" --b-label vllm-0.32 --b-cmd "scripts/serve-vllm.sh" \
+        --workflows 4 --concurrency 1 --repeats 1 --out "$OUT/single"
 fi

@@ -240,3 +240,27 @@ def test_client_disconnect_while_waiting_for_full_response_aborts(server: Remote
         httpx.post(server.base_url + "/chat/completions", json=_long_chat_body(model, stream=False), timeout=2.0)
     samples = wait_until_idle(server)
     assert metric(samples, "sluice:request_success_total", finished_reason="abort") == aborted_before + 1
+
+
+@pytest.mark.parametrize("text", ["", "plain", 'quote " and \\ backslash', "line\nbreak\ttab\r",
+                                  "ctrl \x00\x01\x1f del \x7f", "é 中文 🙂 \u2028\u2029", "</script>"])
+def test_text_chunk_template_is_the_pydantic_chunk(text):
+    """The streaming fast path renders exactly the JSON value pydantic renders for the chunk."""
+    import json
+
+    from sluice.server.protocol import (ChatCompletionStreamChoice, ChatCompletionStreamResponse,
+                                        CompletionChoice, CompletionResponse, DeltaMessage)
+    from sluice.server.serving_base import TextChunkTemplate, sse_event
+
+    def chat(t):
+        return sse_event(ChatCompletionStreamResponse(id="chatcmpl-1", created=5, model="m", choices=[
+            ChatCompletionStreamChoice(index=2, delta=DeltaMessage(content=t))]))
+
+    def completion(t):
+        return sse_event(CompletionResponse(id="cmpl-1", created=5, model="m",
+                                            choices=[CompletionChoice(index=1, text=t)]))
+
+    for render in (chat, completion):
+        fast = TextChunkTemplate(render)(text)
+        assert fast.startswith("data: ") and fast.endswith("\n\n")
+        assert json.loads(fast[6:-2]) == json.loads(render(text)[6:-2])

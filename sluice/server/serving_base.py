@@ -3,6 +3,7 @@ logprob lookup, and `GenerationStreams`, which drives the engine for one HTTP re
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import math
 from collections import deque
@@ -56,6 +57,27 @@ SSE_DONE = "data: [DONE]\n\n"
 
 def sse_event(payload: BaseModel) -> str:
     return f"data: {payload.model_dump_json()}\n\n"
+
+
+class TextChunkTemplate:
+    """The SSE event of a chunk that differs from call to call only in one text field.
+
+    Rendering a pydantic chunk per token costs a streamed request ~0.3 ms of the event loop's
+    time, on the cores the model runs on. The chunk is rendered once with a sentinel as the
+    text; each token's event is then the two halves around `json.dumps(text)`, the same JSON
+    the model would produce (strings are the only part that changes)."""
+
+    _SENTINEL = "\x00sluice-text\x00"
+
+    def __init__(self, render: Callable[[str], str]) -> None:
+        quoted = json.dumps(self._SENTINEL)
+        parts = render(self._SENTINEL).split(quoted)
+        if len(parts) != 2:
+            raise ValueError("the template must contain the text field exactly once")
+        self._head, self._tail = parts
+
+    def __call__(self, text: str) -> str:
+        return self._head + json.dumps(text, ensure_ascii=False) + self._tail
 
 
 class SSEResponse(StreamingResponse):

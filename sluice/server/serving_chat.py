@@ -25,6 +25,7 @@ from sluice.server.protocol import (
     random_id,
 )
 from sluice.server.serving_base import (
+    TextChunkTemplate,
     SSE_DONE,
     EngineCall,
     GenerationStreams,
@@ -130,6 +131,7 @@ class OpenAIServingChat(OpenAIServing):
 
         latest: dict[int, CompletionOutput] = {}
         finished: set[int] = set()
+        text_chunk: dict[int, TextChunkTemplate] = {}   # per choice: its content-only chunk
         cached_tokens = 0
         try:
             for index in range(n):
@@ -140,11 +142,17 @@ class OpenAIServingChat(OpenAIServing):
                     if sample.index in finished:
                         continue
                     new_logprobs = self.new_logprobs(sample) if num_logprobs is not None else []
-                    if sample.text_delta or new_logprobs:
-                        logprobs = self._chat_logprobs(new_logprobs, num_logprobs) if new_logprobs else None
+                    if new_logprobs:
+                        logprobs = self._chat_logprobs(new_logprobs, num_logprobs)
                         yield chunk([ChatCompletionStreamChoice(
                             index=sample.index, delta=DeltaMessage(content=sample.text_delta), logprobs=logprobs,
                         )])
+                    elif sample.text_delta:
+                        if sample.index not in text_chunk:
+                            text_chunk[sample.index] = TextChunkTemplate(
+                                lambda t, i=sample.index: chunk([ChatCompletionStreamChoice(
+                                    index=i, delta=DeltaMessage(content=t))]))
+                        yield text_chunk[sample.index](sample.text_delta)
                     if sample.finish_reason and sample.finish_reason != "error":
                         finished.add(sample.index)
                         yield chunk([ChatCompletionStreamChoice(

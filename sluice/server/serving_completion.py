@@ -23,6 +23,7 @@ from sluice.server.protocol import (
     random_id,
 )
 from sluice.server.serving_base import (
+    TextChunkTemplate,
     SSE_DONE,
     EngineCall,
     GenerationStreams,
@@ -148,6 +149,7 @@ class OpenAIServingCompletion(OpenAIServing):
         latest: dict[int, CompletionOutput] = {}
         finished: set[int] = set()
         text_offsets: dict[int, int] = {}
+        text_chunk: dict[int, TextChunkTemplate] = {}   # per choice: its text-only chunk
         cached_tokens = 0
         try:
             async for call_index, output in streams:
@@ -168,7 +170,12 @@ class OpenAIServingCompletion(OpenAIServing):
                     finish_reason = sample.finish_reason if sample.finish_reason != "error" else None
                     if finish_reason:
                         finished.add(index)
-                    if text or logprobs or finish_reason:
+                    if text and not logprobs and not finish_reason:
+                        if index not in text_chunk:
+                            text_chunk[index] = TextChunkTemplate(
+                                lambda t, i=index: chunk([CompletionChoice(index=i, text=t)]))
+                        yield text_chunk[index](text)
+                    elif text or logprobs or finish_reason:
                         yield chunk([CompletionChoice(
                             index=index, text=text, logprobs=logprobs,
                             finish_reason=finish_reason, stop_reason=sample.stop_reason if finish_reason else None,
