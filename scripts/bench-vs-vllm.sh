@@ -5,7 +5,8 @@
 #
 # plenty:   both engines with a 1 GiB KV cache (the working set fits): burst and sustained.
 # pressure: both with 24,064 tokens of KV (vLLM: 188 blocks of 128), smaller than the working set
-#           of 32 concurrent workflows: sluice `workflow`, sluice `fcfs`, vLLM; sustained.
+#           of 32 concurrent workflows: sluice `workflow`, sluice `fcfs`, vLLM; sustained; then
+#           sluice `workflow` with the client admitting workflows by `GET /load`.
 # single:   one workflow at a time (concurrency 1, 4 workflows): what a user of one agent sees.
 # Results go to bench-results/<name>/ (results.json, summary.md, compare.md, plots).
 set -euo pipefail
@@ -45,6 +46,14 @@ if [ "$WHAT" = pressure ] || [ "$WHAT" = all ]; then
     until curl -sf http://127.0.0.1:8001/health > /dev/null; do sleep 1; done
     "$SLUICE" bench sustained --quiet --base-url "http://127.0.0.1:8001/v1" \
         --window "$WINDOW" --concurrency "$CONC" --repeats "$PREPEATS" --out "$OUT/pressure-fcfs"
+    kill -TERM "$SERVER"; wait "$SERVER" || true
+    # sluice `workflow` again, admitting each new workflow only while `GET /load` says accepting
+    # (workflow-level admission; the seed's sustained test admitted work this way).
+    "$SLUICE" serve --port 8001 --kv-cache-tokens 24064 --scheduling-policy workflow > "$OUT/pressure-gated-server.log" 2>&1 &
+    SERVER=$!
+    until curl -sf http://127.0.0.1:8001/health > /dev/null; do sleep 1; done
+    "$SLUICE" bench sustained --quiet --base-url "http://127.0.0.1:8001/v1" --admission load \
+        --window "$WINDOW" --concurrency "$CONC" --repeats "$PREPEATS" --out "$OUT/pressure-workflow-gated"
     kill -TERM "$SERVER"; wait "$SERVER" || true
 fi
 

@@ -497,3 +497,42 @@ def test_under_pressure_the_victim_is_the_resident_call_with_least_service():
         preempted += [r.request_id for r in out.preempted]
     assert preempted and preempted[0] == "small"
     assert_all_released(s)
+
+
+# --- workflow-level admission (GET /load "accepting") ---------------------------------------------
+def test_new_workflows_are_welcome_only_with_room_for_a_typical_call():
+    """40 blocks of 16 tokens. A typical call starts at min(1k tokens, an eighth of the cache) = 5
+    blocks and follows finished calls (moving average); `accepting` needs that many blocks beyond
+    what running calls will grow into and what waiting calls need."""
+    s = create_scheduler(num_blocks=40, retention_ttl_s=100.0)
+    assert s.typical_call_blocks == 5 and s.kv_headroom() == 40 and s.accepting()
+    # Two running calls of a workflow that will each grow to 16 blocks (100 + 156 tokens).
+    a = create_request(s, "a", 100, max_tokens=156, workflow_id="wf-a")
+    b = create_request(s, "b", 100, max_tokens=156, workflow_id="wf-b")
+    assert s.kv_headroom() == 40 - 2 * 7                # waiting: their prompts' 7 blocks each
+    run_step(s)
+    assert s.kv_headroom() == 40 - 2 * 16              # running: up to max_tokens
+    assert s.accepting()                               # 8 >= 5
+    create_request(s, "c", 100, max_tokens=28, workflow_id="wf-c")   # 7 blocks waiting
+    assert s.kv_headroom() == 1 and not s.accepting() and not s.stats().accepting
+    drain(s)
+    # Finished calls are retained (pinned) between calls: their blocks stay out of the headroom.
+    held = s.workflows.num_retained_blocks
+    assert held > 0 and s.kv_headroom() == 40 - held
+    # The average moved towards the finished calls' sizes (16, 16 and 8 blocks).
+    assert s.typical_call_blocks > 5
+    assert s.accepting() == (40 - held >= s.typical_call_blocks)
+    for wf in ("wf-a", "wf-b", "wf-c"):
+        s.workflows.release(s.workflows.workflows[wf])
+    assert s.accepting()
+    assert_all_released(s)
+
+
+def test_a_full_sequence_table_with_a_queue_is_not_welcoming():
+    s = create_scheduler(max_num_seqs=1)
+    create_request(s, "a", 10, max_tokens=3)
+    create_request(s, "b", 10, max_tokens=3)
+    run_step(s)
+    assert len(s.running) == 1 and s.waiting and not s.accepting()
+    drain(s)
+    assert s.accepting()

@@ -65,6 +65,9 @@ class Scheduler:
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
+        # Blocks of a finished call (prompt + output), a moving average: the size of a call of a
+        # workflow admitted now, for `accepting`. Starts at 1k tokens or an eighth of the cache.
+        self.typical_call_blocks = min(self.kv.blocks_for(1024), max(1, num_blocks // 8))
         self.num_preemptions = 0
         self._held_workflows: set[str] = set()   # workflows whose num_blocks_held is set
         self.prompt_tokens_total = 0
@@ -92,12 +95,29 @@ class Scheduler:
         return 1.0 + 0.05 * len(self.waiting)
 
     def accepting(self) -> bool:
+        """Whether a new workflow is welcome now (`GET /load`); calls are still accepted either way,
+        up to the waiting-queue bounds. Not when the queue is at a bound, when calls wait for a
+        sequence slot, or when the KV cache cannot take one more call of typical size on top of
+        what the running calls will still grow into: a workflow admitted then would only
+        displace the KV of those already running (and retained between their calls)."""
         c = self.config
         if c.max_waiting_requests is not None and len(self.waiting) >= c.max_waiting_requests:
             return False
         if c.max_waiting_tokens is not None and self.num_waiting_tokens >= c.max_waiting_tokens:
             return False
-        return len(self.running) < self.config.max_num_seqs or not self.waiting
+        if len(self.running) >= self.config.max_num_seqs and self.waiting:
+            return False
+        return self.kv_headroom() >= self.typical_call_blocks
+
+    def kv_headroom(self) -> int:
+        """Blocks free (or evictable) beyond what running calls need to reach their max_tokens."""
+        growth = sum(max(0, self.kv.blocks_for(r.max_total_tokens) - len(r.blocks)) for r in self.running)
+        queued = sum(self.kv.blocks_for(r.num_tokens_to_compute) for r in self.waiting)
+        return self.pool.num_free_blocks - growth - queued
+
+    def _observe_call_size(self, req: Request) -> None:
+        blocks = self.kv.blocks_for(req.num_tokens)
+        self.typical_call_blocks = round(0.9 * self.typical_call_blocks + 0.1 * blocks)
 
     def check_fits(self, prompt_len: int, max_tokens: int) -> None:
         """Reject a request that can never fit the context or the KV cache."""
@@ -362,6 +382,8 @@ class Scheduler:
                 if wf is not None:
                     self.workflows.release(wf)
         self.workflows.on_call_finished(req.workflow_id, now)
+        if status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH):
+            self._observe_call_size(req)
         if not req.has_named_workflow:
             self.workflows.forget_if_idle(req.workflow_id)  # an anonymous call is its own workflow
         self.requests.pop(req.request_id, None)
