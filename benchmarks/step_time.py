@@ -43,10 +43,14 @@ def main() -> None:
     for ctx in args.contexts:
         for b in args.batches:
             g = torch.Generator().manual_seed(b * 7919 + ctx)
+            # Early requests decode while later ones prefill: leave room for those tokens, so that
+            # all b requests are still decoding in the timed steps (checked below).
+            budget = eng.config.scheduler.max_num_batched_tokens
+            max_tokens = args.steps + 3 + -(-b * ctx // budget) + 2
             for i in range(b):
                 prompt = torch.randint(100, 40000, (ctx,), generator=g).tolist()
                 eng.add_request(f"b{b}c{ctx}r{i}", prompt,
-                                SamplingParams(temperature=0, max_tokens=args.steps + 3, ignore_eos=True))
+                                SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
             # Prefill everything, then time pure decode steps.
             t0 = time.perf_counter()
             while any(r.num_output_tokens == 0 for r in eng.scheduler.running + eng.scheduler.waiting):
@@ -57,8 +61,11 @@ def main() -> None:
             for _ in range(args.steps):
                 eng.step()
             dt = (time.perf_counter() - t0) / args.steps
-            while eng.has_unfinished():
-                eng.step()
+            decoding = sum(1 for r in eng.scheduler.running if r.num_output_tokens > 0)
+            assert decoding == b, f"only {decoding} of {b} requests were decoding in the timed steps"
+            for r in list(eng.scheduler.running + eng.scheduler.waiting):
+                eng.abort_request(r.request_id)
+            eng.step()
             print(f"{b:>5} {ctx:>7} {dt * 1e3:>8.1f} {b / dt:>8.1f} {b * flops / dt / 1e9:>15.1f}"
                   f"   (prefill {b * ctx / prefill_s:.0f} tok/s)")
 

@@ -1,0 +1,112 @@
+"""The burst workload of `sluice bench`, driven straight into LLMEngine: no HTTP, no client.
+
+Same workflows (sluice.bench.workload, seed 0, synthetic history), same concurrency and tool
+latencies, same request parameters; the calls go to `LLMEngine.add_request` and the loop steps
+the engine itself. Comparing its throughput with `sluice bench burst` against `sluice serve`
+measures what the server and the client cost; its step trace shows what the engine alone does.
+
+    .venv/bin/python benchmarks/engine_replay.py [--workflows 32] [--concurrency 32]
+        [--max-num-batched-tokens 512] [--policy workflow] [--backend auto] [--step-trace PATH]
+"""
+from __future__ import annotations
+
+import argparse
+import heapq
+import statistics
+import time
+from pathlib import Path
+
+from sluice.bench.workload import RequestTarget, WorkloadConfig, make_workflow, synthetic_bodies
+from sluice.config import CacheConfig, EngineConfig, SchedulerConfig
+from sluice.engine.llm_engine import LLMEngine, WorkflowInfo
+from sluice.model.loader import load_model_config, resolve_model_path
+from sluice.sampling_params import SamplingParams
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--workflows", type=int, default=32)
+    ap.add_argument("--concurrency", type=int, default=32)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=512)
+    ap.add_argument("--policy", default="workflow")
+    ap.add_argument("--backend", default="auto")
+    ap.add_argument("--kv-cache-gib", type=float, default=1.0)
+    ap.add_argument("--step-trace", default=None)
+    args = ap.parse_args()
+
+    path = resolve_model_path(args.model)
+    mcfg = load_model_config(path)
+    eng = LLMEngine(EngineConfig(
+        model_path=str(path), model=mcfg,
+        cache=CacheConfig(kv_cache_gib=args.kv_cache_gib),
+        scheduler=SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=args.max_num_batched_tokens,
+                                  max_model_len=mcfg.max_position_embeddings, policy=args.policy),
+        attention_backend=args.backend, step_trace_path=args.step_trace))
+    tok = eng.tokenizer
+    cfg = WorkloadConfig()
+    target = RequestTarget(model="replay", run_id="replay")
+
+    def prompt(body: dict) -> list[int]:
+        text = tok.apply_chat_template(body["messages"], add_generation_prompt=True)
+        return tok.encode(text, add_special_tokens=False)
+
+    flows = {i: (make_workflow(cfg, i), synthetic_bodies(cfg, target, i)) for i in range(args.workflows)}
+    pending = list(range(args.workflows))[::-1]        # workflows not started, popped in order
+    due: list[tuple[float, int, int]] = []             # (time, workflow, step) calls waiting on a tool
+    started: dict[str, float] = {}
+    ttft, speed, out_tokens = [], [], 0
+    t0 = time.monotonic()
+
+    def submit(i: int, j: int) -> None:
+        wf, bodies = flows[i]
+        body = bodies[j]
+        rid = f"w{i}-s{j}"
+        eng.add_request(rid, prompt(body),
+                        SamplingParams(max_tokens=body["max_tokens"], temperature=0.0, ignore_eos=True),
+                        WorkflowInfo(f"wf{i}", j == wf.num_steps - 1))
+        started[rid] = time.monotonic()
+
+    active = 0
+    while pending and active < args.concurrency:
+        submit(pending.pop(), 0)
+        active += 1
+    first: dict[str, float] = {}
+    while eng.has_unfinished() or due or pending:
+        now = time.monotonic()
+        while due and due[0][0] <= now:
+            _, i, j = heapq.heappop(due)
+            submit(i, j)
+        if not eng.has_unfinished():
+            time.sleep(max(0.0, min(0.05, due[0][0] - now)) if due else 0.0)
+            continue
+        for out in eng.step():
+            rid = out.request_id
+            if rid not in first and out.outputs[0].token_ids:
+                first[rid] = time.monotonic()
+                ttft.append(first[rid] - started[rid])
+            if not out.finished:
+                continue
+            n = len(out.outputs[0].token_ids)
+            out_tokens += n
+            end = time.monotonic()
+            if n > 1:
+                speed.append((n - 1) / max(1e-9, end - first[rid]))
+            i, j = (int(x[1:]) for x in rid.split("-"))
+            wf, _ = flows[i]
+            if j + 1 < wf.num_steps:
+                heapq.heappush(due, (end + wf.steps[j].tool_latency_s, i, j + 1))
+            elif pending:
+                submit(pending.pop(), 0)
+    wall = time.monotonic() - t0
+    q = statistics.quantiles(ttft, n=10)
+    print(f"{args.workflows} workflows, concurrency {args.concurrency}, budget {args.max_num_batched_tokens}, "
+          f"policy {args.policy}, backend {args.backend}")
+    print(f"wall {wall:.1f} s, output tokens {out_tokens}, aggregate {out_tokens / wall:.1f} tok/s, "
+          f"generation speed p50 {statistics.median(speed):.1f} tok/s, TTFT p50 {statistics.median(ttft):.2f} s "
+          f"p90 {q[8]:.2f} s")
+    print(Path(args.step_trace).resolve() if args.step_trace else "")
+
+
+if __name__ == "__main__":
+    main()
