@@ -57,7 +57,9 @@ def missing_cpu_flags() -> list[str]:
 
 def _extension_name(flags: set[str]) -> str:
     # -march=native code must never be loaded on another CPU from a shared cache.
-    key = "|".join([torch.__version__, " ".join(CFLAGS), " ".join(sorted(flags))])
+    # torch rebuilds when a listed source changes, but not when a header does: hash them all.
+    code = hashlib.sha256(b"".join(p.read_bytes() for p in sorted(SOURCE.parent.glob("*.[ch]*")))).hexdigest()
+    key = "|".join([torch.__version__, " ".join(CFLAGS), " ".join(sorted(flags)), code])
     return "sluice_paged_attention_" + hashlib.sha256(key.encode()).hexdigest()[:12]
 
 

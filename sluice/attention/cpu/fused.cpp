@@ -18,6 +18,8 @@
 
 #include <immintrin.h>
 
+#include "simd.h"
+
 #include <cmath>
 #include <limits>
 #include <cstdint>
@@ -25,21 +27,11 @@
 
 namespace {
 
-using bf16 = uint16_t;
-
-inline __mmask16 tail_mask(int64_t n) { return n >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << n) - 1); }
-
-inline __m512 load_bf16(const bf16* p, __mmask16 m) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
-}
-
-inline __m256i to_bf16(__m512 v) { return (__m256i)_mm512_cvtneps_pbh(v); }
-
-inline __m512 round_bf16(__m512 v) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(to_bf16(v)), 16));
-}
-
-inline void store_bf16(bf16* p, __m512 v, __mmask16 m) { _mm256_mask_storeu_epi16(p, m, to_bf16(v)); }
+using sluice_simd::bf16;
+using sluice_simd::load_bf16;
+using sluice_simd::round_bf16;
+using sluice_simd::store_bf16;
+using sluice_simd::tail_mask;
 
 const bf16* cptr(const at::Tensor& t) { return reinterpret_cast<const bf16*>(t.data_ptr<c10::BFloat16>()); }
 bf16* mptr(at::Tensor& t) { return reinterpret_cast<bf16*>(t.data_ptr<c10::BFloat16>()); }

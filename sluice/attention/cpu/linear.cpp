@@ -28,6 +28,8 @@
 
 #include <immintrin.h>
 
+#include "simd.h"
+
 #include <cstdint>
 #include <cstring>
 
@@ -37,7 +39,9 @@
 
 namespace {
 
-using bf16 = uint16_t;
+using sluice_simd::bf16;
+using sluice_simd::exp2_ps;
+using sluice_simd::round_bf16;
 constexpr int kGroupCols = 64;  // output columns per packed group
 constexpr int kRowTile = 6;     // rows per micro-kernel call: 6 x 4 accumulators
 
@@ -63,31 +67,14 @@ inline void dot_tile(const bf16* x, int64_t ldx, const bf16* w, int64_t k_pairs,
   }
 }
 
-inline void store_bf16(bf16* dst, __m512 v) { _mm256_storeu_si256((__m256i*)dst, (__m256i)_mm512_cvtneps_pbh(v)); }
+inline void store_bf16(bf16* dst, __m512 v) { sluice_simd::store_bf16(dst, v); }
 
+// silu(g) * u = g * u / (1 + exp(-g)), exp through exp2.
 inline __m512 silu_mul(__m512 g, __m512 u) {
-  // silu(g) = g / (1 + exp(-g)); exp through exp2 with a degree-7 polynomial (as in the attention kernel).
-  __m512 x = _mm512_mul_ps(g, _mm512_set1_ps(-1.4426950408889634f));
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-126.0f)), _mm512_set1_ps(126.0f));
-  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(x, n);
-  __m512 y = _mm512_set1_ps(1.5252734e-05f);
-  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(1.5403530e-04f));
-  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(1.3333558e-03f));
-  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(9.6181291e-03f));
-  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(5.5504109e-02f));
-  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(2.4022651e-01f));
-  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(6.9314718e-01f));
-  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(1.0f));
-  const __m512 e = _mm512_scalef_ps(y, n);  // exp(-g)
-  // Round gate to bf16 first, like silu on the bf16 output of an unfused projection would see it.
+  const __m512 e = exp2_ps(_mm512_mul_ps(g, _mm512_set1_ps(-1.4426950408889634f)));  // exp(-g)
   return _mm512_mul_ps(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e)), u);
 }
 
-inline __m512 round_bf16(__m512 v) {
-  const __m256i h = (__m256i)_mm512_cvtneps_pbh(v);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
 
 // Rows [r0, r0 + kRows) of one group: plain projection (+ bias) or fused silu(gate) * up.
 template <int kRows, int kVecs, bool kSiluMul>

@@ -28,6 +28,8 @@
 
 #include <immintrin.h>
 
+#include "simd.h"
+
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -54,24 +56,9 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 alignas(64) const float kZeroRow[kMaxHeadDim] = {};  // stands in for keys past the chunk's end
 
-using bf16 = uint16_t;  // raw bfloat16 bits
+using sluice_simd::bf16;
+using sluice_simd::exp2_ps;
 
-// 2^x for x <= 0, as 2^round(x) * 2^f with f in [-0.5, 0.5] from a degree-7 Taylor polynomial
-// (truncation error < 1e-8, below float32 rounding). Inputs below -127 come out as (near) zero.
-inline __m512 exp2_ps(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-127.0f));
-  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(x, n);
-  __m512 y = _mm512_set1_ps(1.5252734e-05f);            // ln2^7 / 7!
-  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(1.5403530e-04f));
-  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(1.3333558e-03f));
-  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(9.6181291e-03f));
-  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(5.5504109e-02f));
-  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(2.4022651e-01f));
-  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(6.9314718e-01f));
-  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(y, n);
-}
 
 // In-place transpose of a 16x16 matrix of 32-bit elements held as 16 row vectors.
 inline void transpose16x16(__m512i r[16]) {
