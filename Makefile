@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 
 .PHONY: install serve test model clean-venv
 
-$(STAMP): pyproject.toml sluice/attention/cpu/paged_attention.cpp
+$(STAMP): pyproject.toml $(wildcard sluice/attention/cpu/*.cpp sluice/attention/cpu/*.h)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet torch==2.13.0
 	$(PY) -m pip install --quiet -e ".[test]"
