@@ -28,6 +28,16 @@ def partial_rotary_factor(cfg: ModelConfig) -> float:
     return float(rope.get("partial_rotary_factor", cfg.extra.get("partial_rotary_factor", 0.5)))
 
 
+def glm_router(cfg: ModelConfig) -> TopKRouter:
+    """The GLM MoE router (GLM-4.5/4.6 and GLM-5.3): sigmoid scores with a correction bias,
+    grouped top-k, in float32, from the checkpoint config."""
+    x = cfg.extra
+    return TopKRouter(cfg.hidden_size, x["n_routed_experts"], x["num_experts_per_tok"], scoring="sigmoid",
+                      norm_topk_prob=x.get("norm_topk_prob", True), correction_bias=True,
+                      n_group=x.get("n_group", 1), topk_group=x.get("topk_group", 1),
+                      routed_scaling_factor=x.get("routed_scaling_factor", 1.0), fp32=True)
+
+
 class Glm4MoeForCausalLM(LlamaForCausalLM):
     def _make_rotary(self, cfg: ModelConfig) -> RotaryEmbedding:
         rotary_dim = int(cfg.head_dim * partial_rotary_factor(cfg))
@@ -41,10 +51,7 @@ class Glm4MoeForCausalLM(LlamaForCausalLM):
         if index < x.get("first_k_dense_replace", 0):
             return LlamaDecoderLayer(cfg, attn, LlamaMLP(cfg.hidden_size, cfg.intermediate_size))
         num_experts, width = x["n_routed_experts"], x["moe_intermediate_size"]
-        gate = TopKRouter(cfg.hidden_size, num_experts, x["num_experts_per_tok"], scoring="sigmoid",
-                          norm_topk_prob=x.get("norm_topk_prob", True), correction_bias=True,
-                          n_group=x.get("n_group", 1), topk_group=x.get("topk_group", 1),
-                          routed_scaling_factor=x.get("routed_scaling_factor", 1.0), fp32=True)
+        gate = glm_router(cfg)
         shared = x.get("n_shared_experts") or 0
         moe = SparseMoeBlock(gate, FusedExperts(num_experts, cfg.hidden_size, width),
                              LlamaMLP(cfg.hidden_size, width * shared) if shared else None)

@@ -40,7 +40,8 @@ from sluice.config import ModelConfig
 from sluice.model.cache_spec import CacheTensor, ModelCacheSpec
 from sluice.model.layers import RMSNorm
 from sluice.model.llama import LlamaForCausalLM
-from sluice.model.moe import FusedExperts, SparseMoeBlock, TopKRouter, swiglu
+from sluice.model.glm4_moe import glm_router
+from sluice.model.moe import FusedExperts, SparseMoeBlock, swiglu
 
 
 def _layer_types(x: dict) -> list[str]:
@@ -415,10 +416,7 @@ class Glm5NextDecoderLayer(nn.Module):
         limit = x.get("swiglu_limit")
         if x["mlp_layer_types"][index] == "sparse":
             num_experts, width = x["n_routed_experts"], x["moe_intermediate_size"]
-            gate = TopKRouter(cfg.hidden_size, num_experts, x["num_experts_per_tok"], scoring="sigmoid",
-                              norm_topk_prob=x.get("norm_topk_prob", True), correction_bias=True,
-                              n_group=x.get("n_group", 1), topk_group=x.get("topk_group", 1),
-                              routed_scaling_factor=x.get("routed_scaling_factor", 1.0), fp32=True)
+            gate = glm_router(cfg)
             shared = x.get("n_shared_experts") or 0
             self.mlp = SparseMoeBlock(gate, FusedExperts(num_experts, cfg.hidden_size, width, limit),
                                       ClampedMLP(cfg.hidden_size, width * shared, limit) if shared else None)
