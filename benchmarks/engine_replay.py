@@ -7,6 +7,7 @@ measures what the server and the client cost; its step trace shows what the engi
 
     .venv/bin/python benchmarks/engine_replay.py [--workflows 32] [--concurrency 32]
         [--max-num-batched-tokens 512] [--policy workflow] [--backend auto] [--step-trace PATH]
+        [--speculative-config '{"method": "ngram"}']
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import time
 from pathlib import Path
 
 from sluice.bench.workload import RequestTarget, WorkloadConfig, make_workflow, synthetic_bodies
+from sluice.cli import parse_speculative_config
 from sluice.config import CacheConfig, EngineConfig, SchedulerConfig
 from sluice.engine.llm_engine import LLMEngine, WorkflowInfo
 from sluice.model.loader import load_model_config, resolve_model_path
@@ -33,6 +35,7 @@ def main() -> None:
     ap.add_argument("--backend", default="auto")
     ap.add_argument("--kv-cache-gib", type=float, default=1.0)
     ap.add_argument("--step-trace", default=None)
+    ap.add_argument("--speculative-config", default=None, help="as `sluice serve`'s flag")
     args = ap.parse_args()
 
     path = resolve_model_path(args.model)
@@ -42,7 +45,8 @@ def main() -> None:
         cache=CacheConfig(kv_cache_gib=args.kv_cache_gib),
         scheduler=SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=args.max_num_batched_tokens,
                                   max_model_len=mcfg.max_position_embeddings, policy=args.policy),
-        attention_backend=args.backend, step_trace_path=args.step_trace))
+        attention_backend=args.backend, step_trace_path=args.step_trace,
+        speculative=parse_speculative_config(args.speculative_config)))
     tok = eng.tokenizer
     cfg = WorkloadConfig()
     target = RequestTarget(model="replay", run_id="replay")
@@ -105,6 +109,11 @@ def main() -> None:
     print(f"wall {wall:.1f} s, output tokens {out_tokens}, aggregate {out_tokens / wall:.1f} tok/s, "
           f"generation speed p50 {statistics.median(speed):.1f} tok/s, TTFT p50 {statistics.median(ttft):.2f} s "
           f"p90 {q[8]:.2f} s")
+    st = eng.stats()
+    if st.spec_drafts_total:
+        print(f"speculation: {st.spec_draft_tokens_total} draft tokens in {st.spec_drafts_total} verifications, "
+              f"{st.spec_accepted_tokens_total / st.spec_draft_tokens_total:.0%} accepted, "
+              f"{st.spec_accepted_tokens_total / st.spec_drafts_total:.2f} accepted per verification")
     print(Path(args.step_trace).resolve() if args.step_trace else "")
 
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from typing import Optional
@@ -31,6 +32,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads (default: all cores)")
     p.add_argument("--step-trace", default=None, metavar="PATH",
                    help="append one JSON line per engine step: its batch shape and where its time went")
+    p.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help='prompt-lookup speculative decoding, as vLLM\'s flag: \'{"method": "ngram", '
+                        '"num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 2}\' '
+                        '(missing keys take these defaults); "none": off (default: off)')
 
 
 def add_server_args(p: argparse.ArgumentParser) -> None:
@@ -47,6 +52,21 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-logprobs", type=int, default=20, help="bound on logprobs / top_logprobs (default 20)")
     p.add_argument("--log-requests", action="store_true")
     p.add_argument("--fault-inject-after-steps", type=int, default=None, help=argparse.SUPPRESS)
+
+
+def parse_speculative_config(text: Optional[str]):
+    """`--speculative-config`: JSON object, or none/off; raises ValueError with a usable message."""
+    from sluice.config import SpeculativeConfig
+
+    if text is None or text.strip().lower() in ("", "none", "off"):
+        return None
+    try:
+        d = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--speculative-config is not JSON: {e}") from None
+    if not isinstance(d, dict):
+        raise ValueError("--speculative-config must be a JSON object")
+    return SpeculativeConfig.from_dict(d)
 
 
 def build_engine_config(args: argparse.Namespace):
@@ -80,6 +100,7 @@ def build_engine_config(args: argparse.Namespace):
         attention_backend=args.attention_backend,
         num_threads=args.num_threads,
         step_trace_path=args.step_trace,
+        speculative=parse_speculative_config(args.speculative_config),
     )
 
 
@@ -131,7 +152,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.command == "serve":
         from sluice.server.api_server import run_server
 
-        return run_server(build_engine_config(args), build_server_config(args)) or 0
+        try:
+            engine_config = build_engine_config(args)
+        except ValueError as e:
+            parser.error(str(e))
+        return run_server(engine_config, build_server_config(args)) or 0
     if args.command == "models":
         if args.models_command == "export-hf":
             from sluice.model.gguf_loader import export_hf

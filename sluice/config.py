@@ -100,6 +100,44 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class SpeculativeConfig:
+    """Prompt-lookup (n-gram) speculative decoding (see engine/spec_decode.py).
+
+    Each step, a decoding request whose last `prompt_lookup_max` .. `prompt_lookup_min` tokens
+    occurred earlier in its context drafts up to `num_speculative_tokens` tokens by copying what
+    followed there; one forward pass verifies them. Output is distributed exactly as without it
+    (greedy: the same tokens, up to floating-point differences between batch shapes).
+    """
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 3
+
+    def __post_init__(self) -> None:
+        if self.method != "ngram":
+            raise ValueError(f"unsupported speculative method {self.method!r}; sluice has 'ngram'")
+        if not 1 <= self.num_speculative_tokens <= 16:
+            raise ValueError("num_speculative_tokens must be in [1, 16]")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max <= 16:
+            raise ValueError("need 1 <= prompt_lookup_min <= prompt_lookup_max <= 16")
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "SpeculativeConfig":
+        """vLLM's `--speculative-config` keys; unknown keys are an error."""
+        known = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"}
+        unknown = set(d) - known
+        if unknown:
+            raise ValueError(f"unknown speculative config keys {sorted(unknown)}; known: {sorted(known)}")
+        d = dict(d)
+        if "prompt_lookup_max" in d and "prompt_lookup_min" not in d:
+            d["prompt_lookup_min"] = min(cls.prompt_lookup_min, d["prompt_lookup_max"])
+        if "prompt_lookup_min" in d and "prompt_lookup_max" not in d:
+            d["prompt_lookup_max"] = max(cls.prompt_lookup_max, d["prompt_lookup_min"])
+        return cls(**d)
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model_path: str
     model: ModelConfig
@@ -110,6 +148,7 @@ class EngineConfig:
     attention_backend: str = "auto"       # "cpu" also runs bf16 linear layers on the compiled kernel
     num_threads: Optional[int] = None
     step_trace_path: Optional[str] = None  # append one JSON line per engine step (shape and timings)
+    speculative: Optional[SpeculativeConfig] = None  # None: no speculative decoding
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-from sluice.config import CacheConfig, EngineConfig, SchedulerConfig, parse_dtype
+from sluice.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig, parse_dtype
 from sluice.engine.llm_engine import LLMEngine
 from sluice.model.loader import load_model_config, resolve_model_path
 from sluice.outputs import RequestOutput
@@ -32,6 +32,7 @@ class LLM:
         seed: int = 0,
         kv_cache_gib: Optional[float] = None,         # instead of kv_cache_tokens
         max_state_snapshots: Optional[int] = None,    # hybrid models (see CacheConfig)
+        speculative_config: Optional[dict] = None,    # e.g. {"method": "ngram"}; see SpeculativeConfig
     ) -> None:
         path: Path = resolve_model_path(model)
         cfg = load_model_config(path)
@@ -48,6 +49,7 @@ class LLM:
             dtype=parse_dtype(dtype) if isinstance(dtype, str) else dtype,
             seed=seed,
             attention_backend=attention_backend,
+            speculative=SpeculativeConfig.from_dict(speculative_config) if speculative_config is not None else None,
         ))
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()

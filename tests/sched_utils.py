@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 from typing import Callable, Optional, Sequence
 
-from sluice.config import CacheConfig, SchedulerConfig
+from sluice.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from sluice.engine.request import Request
 from sluice.engine.scheduler import Scheduler, SchedulerOutput
 from sluice.sampling_params import SamplingParams
@@ -40,6 +40,7 @@ def create_scheduler(
     aging_s: float = 5.0,
     max_waiting_requests: Optional[int] = None,
     max_waiting_tokens: Optional[int] = None,
+    speculative: Optional[SpeculativeConfig] = None,
 ) -> Scheduler:
     """A scheduler over a real BlockPool, driven by a FakeClock (`scheduler.clock`)."""
     config = SchedulerConfig(
@@ -53,7 +54,7 @@ def create_scheduler(
         aging_s=aging_s,
     )
     cache = CacheConfig(block_size=block_size, enable_prefix_caching=enable_prefix_caching)
-    return Scheduler(config, cache, num_blocks, clock=FakeClock())
+    return Scheduler(config, cache, num_blocks, clock=FakeClock(), speculative=speculative)
 
 
 def unique_prompt(n: int) -> list[int]:
@@ -100,14 +101,32 @@ def constant(req: Request) -> int:
     return TOKEN
 
 
-def run_step(scheduler: Scheduler, token_fn: TokenFn = constant) -> tuple[SchedulerOutput, list[Request]]:
+AcceptFn = Callable[[Request, list[int]], int]
+
+
+def run_step(scheduler: Scheduler, token_fn: TokenFn = constant,
+             accept_fn: Optional[AcceptFn] = None) -> tuple[SchedulerOutput, list[Request]]:
     """One engine step without a model: schedule, then one token per sampling entry, chosen by
-    `token_fn(request)`. Checks the scheduler's invariants before returning."""
+    `token_fn(request)`; an entry verifying drafts yields its first `accept_fn(request, drafts)`
+    drafts (default: all) and then that token. Checks the scheduler's invariants before returning."""
     out = scheduler.schedule()
     assert out.num_batched_tokens <= scheduler.config.max_num_batched_tokens
     assert out.num_batched_tokens == sum(n for _, n in out.scheduled)
     assert len({r.request_id for r, _ in out.scheduled}) == len(out.scheduled), "scheduled twice"
-    sampled = [token_fn(req) for (req, _), s in zip(out.scheduled, out.samples) if s]
+    for req, n in out.scheduled:
+        drafts = out.spec_tokens.get(req.request_id)
+        if drafts is not None:
+            assert drafts and n == 1 + len(drafts) and req.is_decode
+    sampled = []
+    for (req, _), s in zip(out.scheduled, out.samples):
+        if not s:
+            continue
+        drafts = out.spec_tokens.get(req.request_id)
+        if drafts is None:
+            sampled.append(token_fn(req))
+        else:
+            a = len(drafts) if accept_fn is None else accept_fn(req, drafts)
+            sampled.append(list(drafts[:a]) + [token_fn(req)])
     updated = scheduler.update_from_output(out, sampled)
     scheduler.check_invariants()
     return out, updated

@@ -313,3 +313,77 @@ def test_bfloat16_matches_transformers_bfloat16(make_llm, hf_fp32, ref, prompt_i
     assert mean_sluice <= BF16_ERROR_SLACK * mean_hf, report
     assert exact >= BF16_MIN_EXACT, report
     assert_drained(bf16)
+
+
+# --- prompt-lookup speculative decoding ------------------------------------------------------
+# min n = 1 drafts often and is often wrong: both the accept and the reject paths run.
+SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+
+
+def _spec_counts(llm: LLM) -> tuple[int, int]:
+    st = llm.engine.stats()
+    return st.spec_draft_tokens_total, st.spec_accepted_tokens_total
+
+
+def test_speculative_decoding_matches_reference(make_llm, ref, prompt_ids):
+    """Verified drafts leave float32 greedy output and its logprobs exactly as transformers'."""
+    spec = make_llm(dtype="float32", kv_cache_tokens=4096, speculative_config=SPEC)
+    names = list(prompt_ids)
+    outs = spec.generate([prompt_ids[n] for n in names], GREEDY_LP)
+    for name, out in zip(names, outs):
+        assert_same_as_reference(ref, prompt_ids[name], out, name)
+    drafted, accepted = _spec_counts(spec)
+    assert 0 < accepted < drafted, (drafted, accepted)
+    # and alone, one prompt at a time (a batch of one verifies every step)
+    for name in ("numbers", "long", "code"):
+        [out] = spec.generate([prompt_ids[name]], GREEDY)
+        assert_same_as_reference(ref, prompt_ids[name], out, name)
+    assert_drained(spec)
+
+
+def test_speculative_decoding_under_preemption(make_llm, ref, prompt_ids):
+    tight = make_llm(dtype="float32", kv_cache_tokens=448, max_model_len=448, speculative_config=SPEC)
+    names = list(prompt_ids)
+    outs = tight.generate([prompt_ids[n] for n in names], GREEDY)
+    assert tight.engine.stats().num_preemptions > 0 and _spec_counts(tight)[1] > 0
+    for name, out in zip(names, outs):
+        assert_same_as_reference(ref, prompt_ids[name], out, name)
+    assert_drained(tight)
+
+
+def test_speculative_decoding_stops_where_plain_decoding_does(make_llm, llm, prompt_ids):
+    """A stop string inside an accepted run of drafts ends the output at the same place, and
+    token-level stops (max_tokens) are not overrun by accepted drafts."""
+    spec = make_llm(dtype="float32", kv_cache_tokens=4096, enable_prefix_caching=False, speculative_config=SPEC)
+    for name in ("numbers", "story", "long"):
+        [plain] = llm.generate([prompt_ids[name]], GREEDY)
+        text = plain.outputs[0].text
+        stop = text[len(text) // 2:len(text) // 2 + 3]
+        params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, stop=[stop])
+        [a] = llm.generate([prompt_ids[name]], params)
+        [b] = spec.generate([prompt_ids[name]], params)
+        assert (b.outputs[0].text, b.outputs[0].finish_reason) == (a.outputs[0].text, "stop"), name
+        assert b.outputs[0].token_ids == a.outputs[0].token_ids, name
+        for max_tokens in (2, 5, 7):
+            params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+            [c] = spec.generate([prompt_ids[name]], params)
+            assert c.outputs[0].token_ids == plain.outputs[0].token_ids[:max_tokens], (name, max_tokens)
+            assert c.outputs[0].finish_reason == "length"
+    assert _spec_counts(spec)[1] > 0
+    assert_drained(spec)
+
+
+def test_speculative_decoding_bfloat16_same_tokens(make_llm, prompt_ids):
+    """bfloat16 with the compiled kernels: verifying k + 1 positions in one query gives the same
+    greedy tokens as decoding them one by one."""
+    plain = make_llm(dtype="bfloat16", kv_cache_tokens=4096)
+    spec = make_llm(dtype="bfloat16", kv_cache_tokens=4096, speculative_config=SPEC)
+    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    names = list(prompt_ids)
+    a = plain.generate([prompt_ids[n] for n in names], params)
+    b = spec.generate([prompt_ids[n] for n in names], params)
+    for name, x, y in zip(names, a, b):
+        assert y.outputs[0].token_ids == x.outputs[0].token_ids, name
+    drafted, accepted = _spec_counts(spec)
+    assert 0 < accepted < drafted, (drafted, accepted)
+    assert_drained(spec)

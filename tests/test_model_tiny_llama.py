@@ -264,3 +264,85 @@ def test_greedy_under_preemption(setup):
     for prompt, out in zip(TIGHT_PROMPTS, outs):
         _assert_matches(setup, prompt, out)
     _drained(llm)
+
+
+# --- speculative decoding keeps the sampling law ---------------------------------------------
+def _chi2_critical(df: int, z: float = 3.719) -> float:
+    """Upper quantile of chi-square with df degrees of freedom (Wilson-Hilferty; z = 3.719 is the
+    1e-4 tail of the normal), so this test fails by chance once in ten thousand runs."""
+    c = 2.0 / (9.0 * df)
+    return df * (1.0 - c + z * c ** 0.5) ** 3
+
+
+def test_random_sampling_with_drafts_has_the_model_distribution(tmp_path):
+    """Temperature 1 with top-k 3: the law of four sampled tokens through verified drafts equals
+    the model's exact law (computed from transformers), by a chi-square test over the 81 paths.
+    The drafts come from a proposer that guesses each request's most likely continuation, so
+    steps accept some drafts and reject others, exercising both rules."""
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=512,
+                      rms_norm_eps=1e-5, bos_token_id=BOS, eos_token_id=EOS)
+    hf = LlamaForCausalLM(cfg).eval()
+    _randomize(hf, seed=99)
+    with torch.no_grad():   # flatter logits: each of the top 3 gets real probability
+        hf.lm_head.weight.mul_(0.25)
+    hf.save_pretrained(tmp_path)
+    _write_tokenizer(tmp_path)
+    prompt, k, steps = PROMPTS[1], 3, 4
+    memo: dict[tuple[int, ...], tuple[list[int], list[float]]] = {}
+
+    def top(ctx: tuple[int, ...]) -> tuple[list[int], list[float]]:
+        """The top-k next tokens after ctx and their renormalized probabilities."""
+        if ctx not in memo:
+            with torch.no_grad():
+                logits = hf(torch.tensor([list(ctx)])).logits[0, -1].float()
+            vals, ids = logits.topk(k)
+            memo[ctx] = ids.tolist(), torch.softmax(vals, dim=-1).tolist()
+        return memo[ctx]
+
+    exact: dict[tuple[int, ...], float] = {}
+
+    def walk(path: tuple[int, ...], p: float) -> None:
+        if len(path) == steps:
+            exact[path] = p
+            return
+        for t, q in zip(*top(tuple(prompt) + path)):
+            walk(path + (t,), p * q)
+
+    walk((), 1.0)
+
+    class GuessProposer:   # drafts the greedy continuation of the request's context
+        def propose(self, req, max_k):
+            ctx, drafts = tuple(req.all_token_ids), []
+            for _ in range(max(0, min(2, max_k))):
+                drafts.append(top(ctx + tuple(drafts))[0][0])
+            return drafts
+
+    llm = LLM(str(tmp_path), dtype="float32", max_model_len=256, kv_cache_tokens=8192, max_num_seqs=64,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    llm.engine.scheduler.proposer = GuessProposer()
+    n = 3000
+    params = SamplingParams(temperature=1.0, top_k=k, max_tokens=steps, ignore_eos=True)
+    outs = llm.generate([prompt] * n, params)
+    counts: dict[tuple[int, ...], int] = {}
+    for o in outs:
+        key = tuple(o.outputs[0].token_ids)
+        counts[key] = counts.get(key, 0) + 1
+    assert set(counts) <= set(exact), "sampled a path outside the top-k paths"
+    st = llm.engine.stats()
+    assert 0.2 * st.spec_draft_tokens_total < st.spec_accepted_tokens_total < 0.95 * st.spec_draft_tokens_total
+    # chi-square over paths with enough expected mass; the rest pooled
+    stat, df, pooled_obs, pooled_exp = 0.0, -1, 0, 0.0
+    for path, p in exact.items():
+        e, o = n * p, counts.get(path, 0)
+        if e >= 5:
+            stat += (o - e) ** 2 / e
+            df += 1
+        else:
+            pooled_obs, pooled_exp = pooled_obs + o, pooled_exp + e
+    if pooled_exp > 0:
+        stat += (pooled_obs - pooled_exp) ** 2 / pooled_exp
+        df += 1
+    assert df >= 10, exact
+    assert stat < _chi2_critical(df), (stat, df, _chi2_critical(df))

@@ -10,6 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from sched_utils import EOS, TOKEN, FakeClock, assert_all_released, create_request, create_scheduler, run_step
+from sluice.config import SpeculativeConfig
 from sluice.engine.errors import RequestRejected
 from sluice.engine.request import RequestStatus
 from sluice.engine.scheduler import Scheduler
@@ -28,6 +29,7 @@ configs = st.fixed_dictionaries({
     "enable_prefix_caching": st.booleans(),
     "retention_ttl_s": st.sampled_from([0.0, 3.0, 10.0]),
     "aging_s": st.sampled_from([0.0, 1.0, 5.0]),
+    "speculative": st.sampled_from([None, None, SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=1)]),
 })
 
 # Each operation is a kind and a seed; the seed picks its details (compact for hypothesis to
@@ -97,7 +99,8 @@ def do_step(m: Model, seed: int):
     candidates = list(s.running)
     key = {r.request_id: (s.policy.priority(r, now), -r.num_computed_tokens) for r in candidates}
     protected = {r.request_id for r in candidates if r.protected}
-    out, updated = run_step(s, token_for(random.Random(seed)))
+    rnd = random.Random(seed)
+    out, updated = run_step(s, token_for(rnd), accept_fn=lambda req, drafts: rnd.randint(0, len(drafts)))
     assert all(n >= 1 for _, n in out.scheduled)
     assert len(updated) <= sum(out.samples)
     for victim in out.preempted:

@@ -3,6 +3,8 @@ driven by the official `openai` client (and httpx where the test needs the raw s
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from typing import Iterator
 
 import httpx
@@ -264,3 +266,32 @@ def test_text_chunk_template_is_the_pydantic_chunk(text):
         fast = TextChunkTemplate(render)(text)
         assert fast.startswith("data: ") and fast.endswith("\n\n")
         assert json.loads(fast[6:-2]) == json.loads(render(text)[6:-2])
+
+
+def test_speculative_server_streams_the_same_text(client: openai.OpenAI, model: str) -> None:
+    """A server with prompt-lookup speculation: the official client's streamed greedy text, the
+    logprobs and the usage equal the plain server's (several tokens may arrive per chunk), bad
+    values of the flag are a startup error, and /metrics counts drafts and accepted tokens."""
+    spec_args = SERVER_ARGS + ["--speculative-config", '{"method": "ngram", "prompt_lookup_min": 1}']
+    with RemoteServer(spec_args) as spec:
+        spec_client = openai.OpenAI(base_url=spec.base_url, api_key="unused", max_retries=0, timeout=120)
+        for prompt in (LONG_PROMPT, PROMPT):
+            kw = dict(model=model, prompt=prompt, max_tokens=40, temperature=0, logprobs=2)
+            plain = client.completions.create(**kw)
+            chunks = list(spec_client.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+            text = "".join(c.choices[0].text for c in chunks if c.choices)
+            assert text == plain.choices[0].text
+            tokens = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
+            assert tokens == plain.choices[0].logprobs.tokens
+            lps = [x for c in chunks if c.choices and c.choices[0].logprobs for x in c.choices[0].logprobs.token_logprobs]
+            assert lps == pytest.approx(plain.choices[0].logprobs.token_logprobs, abs=0.3)   # bf16
+            assert chunks[-1].usage.completion_tokens == plain.usage.completion_tokens
+            assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == [
+                plain.choices[0].finish_reason]
+        m = wait_until_idle(spec)
+        drafted = metric(m, "sluice:spec_decode_num_draft_tokens_total")
+        accepted = metric(m, "sluice:spec_decode_num_accepted_tokens_total")
+        assert 0 < accepted <= drafted
+    proc = subprocess.run([sys.executable, "-m", "sluice.cli", "serve", "--speculative-config", '{"method": "eagle"}'],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "unsupported speculative method" in proc.stderr

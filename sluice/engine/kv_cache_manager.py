@@ -80,6 +80,13 @@ class KVCacheManager:
             self.pool.cache(req.blocks[i], value, key)
         req.num_cached_blocks = n_full
 
+    def trim(self, req: Request) -> None:
+        """Free blocks past what the request's tokens need (slots of rejected speculative drafts)."""
+        keep = self.blocks_for(req.num_tokens)
+        if len(req.blocks) > keep:
+            tail, req.blocks = req.blocks[keep:], req.blocks[:keep]
+            self.pool.free(reversed(tail))
+
     def free(self, req: Request) -> None:
         """Release the request's blocks tail-first, so its tail is evicted before its prefix."""
         self.pool.free(reversed(req.blocks))

@@ -88,7 +88,10 @@ class LLMEngine:
         model = load_model(Path(path), config.model, config.dtype, create_backend(config.attention_backend))
         logger.info("loaded %s (%s) in %.1fs", path, config.model.architecture, time.perf_counter() - t0)
         self.cache_plan = plan
-        self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks, clock, plan.state)
+        self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks, clock, plan.state,
+                                   speculative=config.speculative)
+        if config.speculative is not None and plan.state is not None:
+            logger.warning("speculative decoding is off: %s has recurrent layers", config.model.architecture)
         self.runner = ModelRunner(config, model, num_blocks, plan.state)
         self.eos_token_ids = tuple(dict.fromkeys(self.tokenizer.eos_token_ids + config.model.eos_token_ids))
         self.vocab_size = config.model.vocab_size
@@ -181,12 +184,14 @@ class LLMEngine:
 
     def _trace_step(self, sched: SchedulerOutput, t0: float, t1: float) -> None:
         """One JSON line per step (`step_trace_path`): its shape, and where its time went."""
-        dec = [r for r, n in sched.scheduled if n == 1]
-        pre = [(r, n) for r, n in sched.scheduled if n != 1]
+        spec = sched.spec_tokens
+        dec = [r for r, n in sched.scheduled if n == 1 or r.request_id in spec]
+        pre = [(r, n) for r, n in sched.scheduled if n != 1 and r.request_id not in spec]
         rec = {
             "t": round(t0, 4), "forward_ms": round((t1 - t0) * 1e3, 2),
             "post_ms": round((time.perf_counter() - t1) * 1e3, 2),
             "decodes": len(dec), "decode_ctx": sum(r.num_computed_tokens for r in dec),
+            "draft_tokens": sum(len(d) for d in spec.values()),
             "prefills": len(pre), "prefill_tokens": sum(n for _, n in pre),
             "prefill_ctx": sum(r.num_computed_tokens for r, _ in pre),
             "running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
@@ -194,27 +199,40 @@ class LLMEngine:
         self._trace.write(json.dumps(rec) + "\n")
 
     @staticmethod
-    def _logprobs_by_request(sched, logprobs) -> dict[str, dict[int, Logprob]]:
+    def _logprobs_by_request(sched, logprobs) -> dict[str, list[dict[int, Logprob]]]:
         if logprobs is None:
             return {}
         sampling = [req.request_id for (req, _), s in zip(sched.scheduled, sched.samples) if s]
         return {rid: lp for rid, lp in zip(sampling, logprobs) if lp is not None}
 
-    def _process(self, updated: list[Request], logprobs: dict[str, dict[int, Logprob]]) -> list[RequestOutput]:
+    def _process(self, updated: list[Request], logprobs: dict[str, list[dict[int, Logprob]]]) -> list[RequestOutput]:
         touched: dict[str, _Group] = {}
         for req in updated:
             gid = self._child_to_group[req.request_id]
             group = self._groups[gid]
             sample = next(s for s in group.samples if s.req is req)
-            tok = req.output_token_ids[-1]
-            delta, stop_str = sample.detok.add_tokens([tok])
-            sample.delta_tokens += 1
-            lp = logprobs.get(req.request_id)
-            if sample.logprobs is not None and lp is not None:
-                sample.logprobs.append(lp)
-                sample.cumulative_logprob += lp[tok].logprob
+            new = req.output_token_ids[-req.num_new_tokens:]
+            lps = logprobs.get(req.request_id)
+            delta, stop_str = "", None
+            for i, tok in enumerate(new):
+                d, stop_str = sample.detok.add_tokens([tok])
+                delta += d
+                sample.delta_tokens += 1
+                if sample.logprobs is not None and lps is not None:
+                    sample.logprobs.append(lps[i])
+                    sample.cumulative_logprob += lps[i][tok].logprob
+                if stop_str is not None:
+                    extra = len(new) - i - 1   # speculated tokens after the stop string: never produced
+                    if extra:
+                        del req.output_token_ids[-extra:]
+                        del req.all_token_ids[-extra:]
+                        req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens)
+                    break
             if stop_str is not None:
-                self.scheduler.finish_request(req, RequestStatus.FINISHED_STOPPED)
+                if req.is_finished:   # also hit a token-level stop; the stop string came first
+                    req.status = RequestStatus.FINISHED_STOPPED
+                else:
+                    self.scheduler.finish_request(req, RequestStatus.FINISHED_STOPPED)
                 req.stop_reason = stop_str
             elif req.is_finished:
                 delta += sample.detok.flush()

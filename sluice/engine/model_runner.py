@@ -13,6 +13,7 @@ from sluice.config import EngineConfig
 from sluice.engine.request import Request
 from sluice.engine.sampler import Sampler, SamplingRow
 from sluice.engine.scheduler import SchedulerOutput
+from sluice.engine.spec_decode import accept
 from sluice.engine.state_pool import StateLayout
 from sluice.model.registry import model_cache_spec
 from sluice.outputs import Logprob
@@ -20,9 +21,11 @@ from sluice.outputs import Logprob
 
 @dataclass
 class RunnerOutput:
-    # One entry per sampling request, in the order of SchedulerOutput.scheduled.
-    sampled_token_ids: list[int]
-    logprobs: Optional[list[Optional[dict[int, Logprob]]]]
+    # One entry per sampling request, in the order of SchedulerOutput.scheduled: the tokens the
+    # step yields for it (one; or, verifying drafts, the accepted drafts and one sampled token).
+    sampled_token_ids: list[list[int]]
+    # Per entry, None or one {token: Logprob} per yielded token (None if no request asked).
+    logprobs: Optional[list[Optional[list[dict[int, Logprob]]]]]
 
 
 def kv_bytes_per_token(config: EngineConfig) -> int:
@@ -69,28 +72,46 @@ class ModelRunner:
         entries = list(zip(out.scheduled, out.samples))
         # Single-token queries first: the attention backends batch them as decodes.
         order = sorted(range(len(entries)), key=lambda i: entries[i][0][1] != 1)
-        input_ids, positions, meta = self._prepare([entries[i][0] for i in order])
+        spec = out.spec_tokens
+        input_ids, positions, meta = self._prepare([entries[i][0] for i in order], spec)
         if self.state_tensors:
             self._init_states(out.state_inits)
             meta.state = self._state_meta([entries[i][0][0] for i in order], out.state_saves)
         hidden = self.model(input_ids, positions, self.kv_caches, meta)          # [T, hidden]
 
-        ends = meta.query_start_loc[1:].to(torch.int64) - 1                      # [S]
-        sample_pos = [j for j, i in enumerate(order) if entries[i][1]]
-        if not sample_pos:
+        # Logits at each sampling entry's last position; a speculating entry's last 1 + k.
+        ends = meta.query_start_loc[1:].tolist()
+        reqs: list[Request] = []
+        rows: list[SamplingRow] = []
+        hidden_rows: list[int] = []
+        first_row: dict[str, int] = {}
+        for j, i in enumerate(order):
+            if not entries[i][1]:
+                continue
+            req = entries[i][0][0]
+            drafts = spec.get(req.request_id, ())
+            reqs.append(req)
+            first_row[req.request_id] = len(rows)
+            hidden_rows.extend(range(ends[j] - 1 - len(drafts), ends[j]))
+            rows.extend(self._rows(req, drafts))
+        if not reqs:
             return RunnerOutput([], None)
-        logits = self.model.compute_logits(hidden[ends[sample_pos]])            # [N, vocab]
-        reqs = [entries[order[j]][0][0] for j in sample_pos]
-        rows = [self._row(r) for r in reqs]
+        index = torch.tensor(hidden_rows, dtype=torch.int64)
+        logits = self.model.compute_logits(hidden.index_select(0, index))       # [N, vocab]
         sampled = self.sampler(logits, rows)
         tokens = sampled.token_ids.tolist()
-        # Back to scheduler order.
-        by_req = {r.request_id: k for k, r in enumerate(reqs)}
-        sched_order = [req for (req, _), s in entries if s]
-        ids = [tokens[by_req[r.request_id]] for r in sched_order]
-        lps = None
-        if sampled.logprobs is not None:
-            lps = [sampled.logprobs[by_req[r.request_id]] for r in sched_order]
+        # Back to scheduler order, speculations verified.
+        ids, lps = [], ([] if sampled.logprobs is not None else None)
+        for (req, _), s in entries:
+            if not s:
+                continue
+            r0 = first_row[req.request_id]
+            drafts = spec.get(req.request_id)
+            got = accept(drafts, tokens[r0:r0 + len(drafts) + 1]) if drafts else [tokens[r0]]
+            ids.append(got)
+            if lps is not None:
+                entry = sampled.logprobs[r0:r0 + len(got)]
+                lps.append(None if entry[0] is None else entry)
         return RunnerOutput(ids, lps)
 
     def _init_states(self, inits: list[tuple[int, Optional[int]]]) -> None:
@@ -109,16 +130,20 @@ class ModelRunner:
                              saves=[saves.get(r.request_id) for r in reqs])
 
     @staticmethod
-    def _row(req: Request) -> SamplingRow:
-        return SamplingRow(
-            params=req.params,
-            prompt_token_ids=req.prompt_token_ids,
-            output_token_ids=req.output_token_ids,
-            generator=req.generator,
-            suppress_token_ids=req.suppressed_token_ids(),
-        )
+    def _rows(req: Request, drafts) -> list[SamplingRow]:
+        """The sampling rows of a request: one, or one per verified position, each seeing the
+        drafts before it as generated output."""
+        rows = [SamplingRow(params=req.params, prompt_token_ids=req.prompt_token_ids,
+                            output_token_ids=req.output_token_ids, generator=req.generator,
+                            suppress_token_ids=req.suppressed_token_ids())]
+        for i in range(1, len(drafts) + 1):
+            rows.append(SamplingRow(params=req.params, prompt_token_ids=req.prompt_token_ids,
+                                    output_token_ids=[*req.output_token_ids, *drafts[:i]],
+                                    generator=req.generator, suppress_token_ids=req.suppressed_token_ids(i)))
+        return rows
 
-    def _prepare(self, scheduled: list[tuple[Request, int]]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    def _prepare(self, scheduled: list[tuple[Request, int]], spec: Optional[dict[str, list[int]]] = None
+                 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         bs = self.block_size
         ids: list[int] = []
         pos_parts, slot_parts = [], []
@@ -127,7 +152,11 @@ class ModelRunner:
         tables = np.zeros((len(scheduled), max_blocks), dtype=np.int32)
         for i, (req, n) in enumerate(scheduled):
             c = req.num_computed_tokens
-            ids.extend(req.all_token_ids[c:c + n])
+            if spec and req.request_id in spec:
+                ids.extend(req.all_token_ids[c:])        # its last token, then the drafts
+                ids.extend(spec[req.request_id])
+            else:
+                ids.extend(req.all_token_ids[c:c + n])
             block_ids = np.fromiter((b.block_id for b in req.blocks), dtype=np.int64, count=len(req.blocks))
             tables[i, :len(block_ids)] = block_ids
             pos = np.arange(c, c + n, dtype=np.int64)

@@ -70,6 +70,8 @@ class Request:
         self.last_token_time: Optional[float] = None
         self.admit_time: Optional[float] = None
         self.error: Optional[str] = None
+        self.ngram_index = None                # speculative decoding's n-gram index (spec_decode.py)
+        self.num_new_tokens = 0                # tokens appended by the latest step
 
     @property
     def num_tokens(self) -> int:
@@ -118,9 +120,10 @@ class Request:
             return RequestStatus.FINISHED_LENGTH
         return None
 
-    def suppressed_token_ids(self) -> tuple[int, ...]:
-        """Ids the sampler must not pick now (end tokens before min_tokens is reached)."""
-        if self.num_output_tokens >= self.params.min_tokens:
+    def suppressed_token_ids(self, ahead: int = 0) -> tuple[int, ...]:
+        """Ids the sampler must not pick now (end tokens before min_tokens is reached); `ahead`:
+        for the token after that many more (speculated) output tokens."""
+        if self.num_output_tokens + ahead >= self.params.min_tokens:
             return ()
         ids = tuple(self.params.stop_token_ids)
         if not self.params.ignore_eos:

@@ -13,6 +13,12 @@ request from a `StatePool` (see state_pool.py): taken at admission, given back o
 and preemption. Their prefix-cache hits are cut back to the deepest block with a state snapshot,
 and each step plans a snapshot at the last block boundary a request's chunk crosses (when the
 pool has snapshot slots: with none, such a model gets no prefix-cache hits).
+
+Speculative decoding (prompt lookup, see spec_decode.py): a decode may carry drafts, so it
+computes 1 + k tokens. Drafts only use what is spare: they are cut to the token budget left and
+dropped when their blocks are not free; they never cause a preemption, a retention release or
+a delay to anything else. After the step only the accepted tokens count as computed; the KV of
+rejected drafts sits past `num_computed_tokens` and is overwritten by the next step.
 """
 from __future__ import annotations
 
@@ -21,12 +27,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
-from sluice.config import CacheConfig, SchedulerConfig
+from sluice.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from sluice.engine.block_pool import BlockPool
 from sluice.engine.errors import RequestRejected
 from sluice.engine.kv_cache_manager import KVCacheManager
 from sluice.engine.policies import create_policy
 from sluice.engine.request import Request, RequestStatus
+from sluice.engine.spec_decode import NgramProposer
 from sluice.engine.state_pool import StateLayout, StatePool
 from sluice.engine.stats import EngineStats
 from sluice.engine.workflow import WorkflowTracker
@@ -45,6 +52,8 @@ class SchedulerOutput:
     state_inits: list[tuple[int, Optional[int]]] = field(default_factory=list)
     # request id -> (tokens of its chunk before a block boundary, snapshot slot to save into).
     state_saves: dict[str, tuple[int, int]] = field(default_factory=dict)
+    # request id -> draft tokens it verifies this step (its entry computes 1 + len(drafts) tokens).
+    spec_tokens: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def empty(self) -> bool:
@@ -53,7 +62,8 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, cache: CacheConfig, num_blocks: int,
-                 clock: Callable[[], float] = time.monotonic, state: Optional[StateLayout] = None) -> None:
+                 clock: Callable[[], float] = time.monotonic, state: Optional[StateLayout] = None,
+                 speculative: Optional[SpeculativeConfig] = None) -> None:
         self.config = config
         self.block_size = cache.block_size
         self.clock = clock
@@ -72,6 +82,11 @@ class Scheduler:
         self._held_workflows: set[str] = set()   # workflows whose num_blocks_held is set
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
+        # Speculative decoding; not for hybrid models (a recurrent state cannot roll back).
+        self.proposer = NgramProposer(speculative) if speculative is not None and state is None else None
+        self.spec_drafts_total = 0             # verification entries with at least one draft
+        self.spec_draft_tokens_total = 0
+        self.spec_accepted_tokens_total = 0
 
     # --- admission ----------------------------------------------------------------------
     @property
@@ -184,6 +199,8 @@ class Scheduler:
 
         if not out.preempted:
             budget = self._admit_waiting(out, budget, now, taken)
+        if self.proposer is not None and budget > 0:
+            budget = self._add_drafts(out, budget)
         out.num_batched_tokens = self.config.max_num_batched_tokens - budget
         if self.states is not None and self.pool.enable_caching and self.states.layout.num_snapshots:
             self._plan_snapshots(out)
@@ -236,6 +253,37 @@ class Scheduler:
         if admitted:
             ids = {r.request_id for r in admitted}
             self.waiting = [r for r in self.waiting if r.request_id not in ids]
+        return budget
+
+    def _propose(self, req: Request, max_k: int) -> list[int]:
+        """Drafts for a decode, at most `max_k` and no more than the request may still generate
+        beyond the step's own token (max_tokens, the context length)."""
+        if req.generator is not None:
+            return []  # a seeded request's tokens must not depend on how much was speculated
+        room = min(req.max_tokens - req.num_output_tokens, self.config.max_model_len - req.num_tokens) - 1
+        return self.proposer.propose(req, min(max_k, room))
+
+    def _add_drafts(self, out: SchedulerOutput, budget: int) -> int:
+        """Give this step's decodes drafts from the token budget left after everything else
+        (in their scheduling order). A draft may take a new block only while more blocks are
+        free than there are running requests; otherwise drafts fill the decode's last block."""
+        for i, (req, n) in enumerate(out.scheduled):
+            if budget <= 0:
+                break
+            if n != 1 or not req.is_decode:
+                continue
+            drafts = self._propose(req, budget)
+            if not drafts:
+                continue
+            need = self.kv._num_new_blocks(req, 1 + len(drafts), ())
+            if need > 0 and not (self.pool.num_free_blocks - need >= len(self.running)
+                                 and self.kv.allocate_slots(req, 1 + len(drafts))):
+                drafts = drafts[:len(req.blocks) * self.block_size - req.num_tokens]
+                if not drafts:
+                    continue
+            out.scheduled[i] = (req, 1 + len(drafts))
+            out.spec_tokens[req.request_id] = drafts
+            budget -= len(drafts)
         return budget
 
     def _computed_blocks(self, req: Request) -> list:
@@ -291,7 +339,7 @@ class Scheduler:
 
     def _take(self, out: SchedulerOutput, req: Request, n: int, taken: set[str]) -> None:
         out.scheduled.append((req, n))
-        out.samples.append(req.num_computed_tokens + n == req.num_tokens)
+        out.samples.append(req.num_computed_tokens + n >= req.num_tokens)   # > : with drafts
         taken.add(req.request_id)
 
     def _pick_victim(self, now: float) -> Request:
@@ -308,6 +356,7 @@ class Scheduler:
         i = next(i for i, (r, _) in enumerate(out.scheduled) if r is req)
         _, n = out.scheduled.pop(i)
         out.samples.pop(i)
+        out.spec_tokens.pop(req.request_id, None)
         taken.discard(req.request_id)
         return n
 
@@ -325,18 +374,31 @@ class Scheduler:
         out.preempted.append(req)
 
     # --- results ------------------------------------------------------------------------
-    def update_from_output(self, out: SchedulerOutput, sampled: list[int]) -> list[Request]:
-        """Advance computed counts, append sampled tokens (one per sampling entry, in order) and
-        apply token-level stops. Returns the requests that received a token."""
+    def update_from_output(self, out: SchedulerOutput, sampled: list[int | list[int]]) -> list[Request]:
+        """Advance computed counts, append sampled tokens and apply token-level stops. `sampled`
+        has one entry per sampling entry, in order: a token, or the list of tokens the step
+        yielded for it (a verified speculation: its accepted drafts, then one sampled token).
+        Returns the requests that received tokens; `req.num_new_tokens` says how many."""
         now = self.clock()
         if self.states is not None:
             self.states.commit_pending()  # the step wrote its planned snapshots
         updated = []
         it = iter(sampled)
         for (req, n), samples in zip(out.scheduled, out.samples):
-            tok = next(it) if samples else None
+            toks = next(it) if samples else None
             if req.is_finished or req.status is not RequestStatus.RUNNING:
                 continue
+            drafts = out.spec_tokens.get(req.request_id)
+            if toks is not None and not isinstance(toks, list):
+                toks = [toks]
+            if drafts is not None:
+                assert toks and len(toks) <= len(drafts) + 1 and toks[:-1] == drafts[:len(toks) - 1], (toks, drafts)
+                self.spec_drafts_total += 1
+                self.spec_draft_tokens_total += len(drafts)
+                self.spec_accepted_tokens_total += len(toks) - 1
+                n = len(toks)   # the step's input token and the accepted drafts have valid KV
+            else:
+                assert toks is None or len(toks) == 1, "several tokens for an entry without drafts"
             req.num_computed_tokens += n
             wf = self.workflows.workflows.get(req.workflow_id)
             if wf is not None:
@@ -344,19 +406,30 @@ class Scheduler:
                 wf.last_activity = now
             if req.num_output_tokens == 0:
                 self.prompt_tokens_total += n
-            self.kv.cache_computed_blocks(req)
-            if tok is None:
+            if toks is None:
+                self.kv.cache_computed_blocks(req)
                 continue
-            req.append_output_token(tok)
             req.protected = False
-            self.generation_tokens_total += 1
             if req.first_token_time is None:
                 req.first_token_time = now
             req.last_token_time = now
             updated.append(req)
-            status = req.check_stop(self.config.max_model_len)
+            req.num_new_tokens = 0
+            status = None
+            for tok in toks:
+                req.append_output_token(tok)
+                req.num_new_tokens += 1
+                self.generation_tokens_total += 1
+                status = req.check_stop(self.config.max_model_len)
+                if status is not None:
+                    break
+            # A stop inside the accepted run: every remaining token was computed.
+            req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens)
+            self.kv.cache_computed_blocks(req)
             if status is not None:
                 self._finish(req, status)
+            elif drafts is not None:
+                self.kv.trim(req)
         return updated
 
     def _finish(self, req: Request, status: RequestStatus) -> None:
@@ -416,6 +489,9 @@ class Scheduler:
             prefix_cache_queries=self.kv.prefix_queries,
             prefix_cache_hits=self.kv.prefix_hits,
             num_preemptions=self.num_preemptions,
+            spec_drafts_total=self.spec_drafts_total,
+            spec_draft_tokens_total=self.spec_draft_tokens_total,
+            spec_accepted_tokens_total=self.spec_accepted_tokens_total,
             prompt_tokens_total=self.prompt_tokens_total,
             generation_tokens_total=self.generation_tokens_total,
             num_workflows=len(self.workflows.workflows),

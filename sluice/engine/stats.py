@@ -17,6 +17,9 @@ class EngineStats:
     prefix_cache_queries: int   # prompt tokens looked up in the prefix cache (cumulative)
     prefix_cache_hits: int      # of which served from the cache (cumulative)
     num_preemptions: int        # cumulative
+    spec_drafts_total: int      # speculative verifications with drafts (cumulative)
+    spec_draft_tokens_total: int     # draft tokens proposed and verified
+    spec_accepted_tokens_total: int  # of which accepted
     prompt_tokens_total: int    # computed prompt tokens (cumulative)
     generation_tokens_total: int
     num_workflows: int          # workflows with state in the engine

@@ -81,6 +81,12 @@ class _EngineStatsCollector(Collector):
         yield self._counter("sluice:num_preemptions", "Preemptions.", s.num_preemptions)
         yield self._counter("sluice:prompt_tokens", "Prompt tokens computed.", s.prompt_tokens_total)
         yield self._counter("sluice:generation_tokens", "Tokens generated.", s.generation_tokens_total)
+        yield self._counter("sluice:spec_decode_num_drafts", "Speculative verifications with drafts.",
+                            s.spec_drafts_total)
+        yield self._counter("sluice:spec_decode_num_draft_tokens", "Draft tokens proposed and verified.",
+                            s.spec_draft_tokens_total)
+        yield self._counter("sluice:spec_decode_num_accepted_tokens", "Draft tokens accepted.",
+                            s.spec_accepted_tokens_total)
 
 
 class ServerMetrics:
