@@ -243,3 +243,21 @@ def test_preempting_a_speculating_request_withdraws_its_drafts():
             break
     drain(s, lambda r: r.all_token_ids[-2])
     assert_all_released(s)
+
+
+def test_a_request_whose_drafts_fail_drafts_one_at_a_time():
+    s = create_scheduler(speculative=SPEC)
+    req = create_request(s, "a", [11, 12] * 8, max_tokens=100, ignore_eos=True)
+    _decoding(s, req, token=11)
+    sizes = []
+    for _ in range(8):   # the model never agrees: each step yields a token that keeps the loop
+        out = s.schedule()
+        sizes.append(len(out.spec_tokens.get("a", [])))
+        s.update_from_output(out, [[req.all_token_ids[-2]] if "a" in out.spec_tokens else req.all_token_ids[-2]])
+    assert sizes[0] == 4 and sizes[-1] == 1, sizes
+    for _ in range(12):  # now it agrees with every draft: back to 4
+        out = s.schedule()
+        d = out.spec_tokens.get("a", [])
+        sizes.append(len(d))
+        s.update_from_output(out, [[*d, req.all_token_ids[-2] if len(d) % 2 == 0 else req.all_token_ids[-1]]])
+    assert sizes[-1] == 4, sizes
