@@ -8,6 +8,9 @@
 #           of 32 concurrent workflows: sluice `workflow`, sluice `fcfs`, vLLM; sustained; then
 #           sluice `workflow` with the client admitting workflows by `GET /load`.
 # single:   one workflow at a time (concurrency 1, 4 workflows): what a user of one agent sees.
+# spec:     prompt-lookup speculative decoding (SPEC below) on both engines, with and without:
+#           burst sluice+spec vs vLLM, burst sluice vs vLLM+spec, sustained sluice+spec vs vLLM,
+#           and single user for all four.
 # Results go to bench-results/<name>/ (results.json, summary.md, compare.md, plots).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -19,6 +22,7 @@ CONC="${CONC:-32}"
 REPEATS="${REPEATS:-3}"
 BURST_WORKFLOWS="${BURST_WORKFLOWS:-48}"
 WINDOW="${WINDOW:-75}"
+SPEC='{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 2}'
 A="http://127.0.0.1:8000/v1"
 B="http://127.0.0.1:8100/v1"
 
@@ -62,4 +66,29 @@ if [ "$WHAT" = single ] || [ "$WHAT" = all ]; then
         --a "$A" --a-label sluice --a-cmd "$SLUICE serve --port 8000" \
         --b "$B" --b-label vllm-0.32 --b-cmd "scripts/serve-vllm.sh" \
         --workflows 4 --concurrency 1 --repeats 1 --out "$OUT/single"
+fi
+
+if [ "$WHAT" = spec ]; then
+    SSPEC="$SLUICE serve --port 8000 --speculative-config '$SPEC'"
+    VSPEC="scripts/serve-vllm.sh --speculative-config '$SPEC'"
+    "$SLUICE" bench compare --scenario burst --quiet \
+        --a "$A" --a-label sluice-spec --a-cmd "$SSPEC" \
+        --b "$B" --b-label vllm-0.32 --b-cmd "scripts/serve-vllm.sh" \
+        --workflows "$BURST_WORKFLOWS" --concurrency "$CONC" --repeats "$REPEATS" --out "$OUT/burst-spec" || echo "burst-spec failed"
+    "$SLUICE" bench compare --scenario burst --quiet \
+        --a "$A" --a-label sluice --a-cmd "$SLUICE serve --port 8000" \
+        --b "$B" --b-label vllm-0.32-spec --b-cmd "$VSPEC" \
+        --workflows "$BURST_WORKFLOWS" --concurrency "$CONC" --repeats "$REPEATS" --out "$OUT/burst-vllm-spec" || echo "burst-vllm-spec failed"
+    "$SLUICE" bench compare --scenario sustained --quiet \
+        --a "$A" --a-label sluice-spec --a-cmd "$SSPEC" \
+        --b "$B" --b-label vllm-0.32 --b-cmd "scripts/serve-vllm.sh" \
+        --window "$WINDOW" --concurrency "$CONC" --repeats "$REPEATS" --out "$OUT/sustained-spec" || echo "sustained-spec failed"
+    "$SLUICE" bench compare --scenario burst --quiet \
+        --a "$A" --a-label sluice-spec --a-cmd "$SSPEC" \
+        --b "$B" --b-label vllm-0.32-spec --b-cmd "$VSPEC" \
+        --workflows 4 --concurrency 1 --repeats 1 --out "$OUT/single-spec" || echo "single-spec failed"
+    "$SLUICE" bench compare --scenario burst --quiet \
+        --a "$A" --a-label sluice --a-cmd "$SLUICE serve --port 8000" \
+        --b "$B" --b-label vllm-0.32 --b-cmd "scripts/serve-vllm.sh" \
+        --workflows 4 --concurrency 1 --repeats 1 --out "$OUT/single-plain" || echo "single-plain failed"
 fi
