@@ -8,6 +8,7 @@
 #           of 32 concurrent workflows: sluice `workflow`, sluice `fcfs`, vLLM; sustained; then
 #           sluice `workflow` with the client admitting workflows by `GET /load`.
 # single:   one workflow at a time (concurrency 1, 4 workflows): what a user of one agent sees.
+# sluice serves with prompt-lookup speculative decoding unless told `--speculative-config none`.
 # spec:     prompt-lookup speculative decoding (SPEC below) on both engines, with and without:
 #           burst sluice+spec vs vLLM, burst sluice vs vLLM+spec, sustained sluice+spec vs vLLM,
 #           and single user for all four.
@@ -76,7 +77,7 @@ if [ "$WHAT" = spec ]; then
         --b "$B" --b-label vllm-0.32 --b-cmd "scripts/serve-vllm.sh" \
         --workflows "$BURST_WORKFLOWS" --concurrency "$CONC" --repeats "$REPEATS" --out "$OUT/burst-spec" || echo "burst-spec failed"
     "$SLUICE" bench compare --scenario burst --quiet \
-        --a "$A" --a-label sluice --a-cmd "$SLUICE serve --port 8000" \
+        --a "$A" --a-label sluice-plain --a-cmd "$SLUICE serve --port 8000 --speculative-config none" \
         --b "$B" --b-label vllm-0.32-spec --b-cmd "$VSPEC" \
         --workflows "$BURST_WORKFLOWS" --concurrency "$CONC" --repeats "$REPEATS" --out "$OUT/burst-vllm-spec" || echo "burst-vllm-spec failed"
     "$SLUICE" bench compare --scenario sustained --quiet \
@@ -88,7 +89,7 @@ if [ "$WHAT" = spec ]; then
         --b "$B" --b-label vllm-0.32-spec --b-cmd "$VSPEC" \
         --workflows 4 --concurrency 1 --repeats 1 --out "$OUT/single-spec" || echo "single-spec failed"
     "$SLUICE" bench compare --scenario burst --quiet \
-        --a "$A" --a-label sluice --a-cmd "$SLUICE serve --port 8000" \
+        --a "$A" --a-label sluice-plain --a-cmd "$SLUICE serve --port 8000 --speculative-config none" \
         --b "$B" --b-label vllm-0.32 --b-cmd "scripts/serve-vllm.sh" \
         --workflows 4 --concurrency 1 --repeats 1 --out "$OUT/single-plain" || echo "single-plain failed"
 fi

@@ -8,6 +8,10 @@ import sys
 from typing import Optional
 
 
+# `sluice serve` speculates by default: drafts use only spare budget and blocks (see scheduler.py).
+DEFAULT_SPECULATIVE = '{"method": "ngram"}'
+
+
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="HF folder or .gguf file (default: SmolLM2-135M-Instruct)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
@@ -32,10 +36,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads (default: all cores)")
     p.add_argument("--step-trace", default=None, metavar="PATH",
                    help="append one JSON line per engine step: its batch shape and where its time went")
-    p.add_argument("--speculative-config", default=None, metavar="JSON",
+    p.add_argument("--speculative-config", default=DEFAULT_SPECULATIVE, metavar="JSON",
                    help='prompt-lookup speculative decoding, as vLLM\'s flag: \'{"method": "ngram", '
                         '"num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 2}\' '
-                        '(missing keys take these defaults); "none": off (default: off)')
+                        '(missing keys take these defaults; this is the default); "none": off')
 
 
 def add_server_args(p: argparse.ArgumentParser) -> None:

@@ -268,13 +268,16 @@ def test_text_chunk_template_is_the_pydantic_chunk(text):
         assert json.loads(fast[6:-2]) == json.loads(render(text)[6:-2])
 
 
-def test_speculative_server_streams_the_same_text(client: openai.OpenAI, model: str) -> None:
-    """A server with prompt-lookup speculation: the official client's streamed greedy text, the
-    logprobs and the usage equal the plain server's (several tokens may arrive per chunk), bad
-    values of the flag are a startup error, and /metrics counts drafts and accepted tokens."""
-    spec_args = SERVER_ARGS + ["--speculative-config", '{"method": "ngram", "prompt_lookup_min": 1}']
-    with RemoteServer(spec_args) as spec:
-        spec_client = openai.OpenAI(base_url=spec.base_url, api_key="unused", max_retries=0, timeout=120)
+def test_speculative_server_streams_the_same_text(server: RemoteServer, model: str) -> None:
+    """The default server speculates (prompt lookup): the official client's streamed greedy text,
+    logprobs and usage equal those of a server with `--speculative-config none` (several tokens
+    may arrive per chunk); bad values of the flag are a startup error; /metrics counts drafts and
+    accepted tokens."""
+    wait_until_idle(server)
+    before = scrape_metrics(server)
+    spec_client = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=120)
+    with RemoteServer(SERVER_ARGS + ["--speculative-config", "none"]) as plain_server:
+        client = openai.OpenAI(base_url=plain_server.base_url, api_key="unused", max_retries=0, timeout=120)
         for prompt in (LONG_PROMPT, PROMPT):
             kw = dict(model=model, prompt=prompt, max_tokens=40, temperature=0, logprobs=2)
             plain = client.completions.create(**kw)
@@ -288,10 +291,13 @@ def test_speculative_server_streams_the_same_text(client: openai.OpenAI, model: 
             assert chunks[-1].usage.completion_tokens == plain.usage.completion_tokens
             assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == [
                 plain.choices[0].finish_reason]
-        m = wait_until_idle(spec)
-        drafted = metric(m, "sluice:spec_decode_num_draft_tokens_total")
-        accepted = metric(m, "sluice:spec_decode_num_accepted_tokens_total")
-        assert 0 < accepted <= drafted
+        assert metric(wait_until_idle(plain_server), "sluice:spec_decode_num_draft_tokens_total") == 0
+    m = wait_until_idle(server)
+    drafted = (metric(m, "sluice:spec_decode_num_draft_tokens_total")
+               - metric(before, "sluice:spec_decode_num_draft_tokens_total"))
+    accepted = (metric(m, "sluice:spec_decode_num_accepted_tokens_total")
+                - metric(before, "sluice:spec_decode_num_accepted_tokens_total"))
+    assert 0 < accepted <= drafted
     proc = subprocess.run([sys.executable, "-m", "sluice.cli", "serve", "--speculative-config", '{"method": "eagle"}'],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "unsupported speculative method" in proc.stderr

@@ -91,7 +91,7 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks, clock, plan.state,
                                    speculative=config.speculative)
         if config.speculative is not None and plan.state is not None:
-            logger.warning("speculative decoding is off: %s has recurrent layers", config.model.architecture)
+            logger.info("speculative decoding is off: %s has recurrent layers", config.model.architecture)
         self.runner = ModelRunner(config, model, num_blocks, plan.state)
         self.eos_token_ids = tuple(dict.fromkeys(self.tokenizer.eos_token_ids + config.model.eos_token_ids))
         self.vocab_size = config.model.vocab_size

@@ -15,9 +15,9 @@ and each step plans a snapshot at the last block boundary a request's chunk cros
 pool has snapshot slots: with none, such a model gets no prefix-cache hits).
 
 Speculative decoding (prompt lookup, see spec_decode.py): a decode may carry drafts, so it
-computes 1 + k tokens. Drafts only use what is spare: they are cut to the token budget left and
-dropped when their blocks are not free; they never cause a preemption, a retention release or
-a delay to anything else. After the step only the accepted tokens count as computed; the KV of
+computes 1 + k tokens. Drafts only use what is spare: they are added last, from the token budget
+that decodes and prefill chunks left, and take a new block only while blocks are plentiful;
+they never cause a preemption, a retention release or a delay to anything else. After the step only the accepted tokens count as computed; the KV of
 rejected drafts sits past `num_computed_tokens` and is overwritten by the next step.
 """
 from __future__ import annotations
@@ -346,7 +346,7 @@ class Scheduler:
 
     def _take(self, out: SchedulerOutput, req: Request, n: int, taken: set[str]) -> None:
         out.scheduled.append((req, n))
-        out.samples.append(req.num_computed_tokens + n >= req.num_tokens)   # > : with drafts
+        out.samples.append(req.num_computed_tokens + n == req.num_tokens)
         taken.add(req.request_id)
 
     def _pick_victim(self, now: float) -> Request:
@@ -363,7 +363,6 @@ class Scheduler:
         i = next(i for i, (r, _) in enumerate(out.scheduled) if r is req)
         _, n = out.scheduled.pop(i)
         out.samples.pop(i)
-        out.spec_tokens.pop(req.request_id, None)
         taken.discard(req.request_id)
         return n
 
