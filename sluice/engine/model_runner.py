@@ -81,7 +81,6 @@ class ModelRunner:
 
         # Logits at each sampling entry's last position; a speculating entry's last 1 + k.
         ends = meta.query_start_loc[1:].tolist()
-        reqs: list[Request] = []
         rows: list[SamplingRow] = []
         hidden_rows: list[int] = []
         first_row: dict[str, int] = {}
@@ -90,11 +89,10 @@ class ModelRunner:
                 continue
             req = entries[i][0][0]
             drafts = spec.get(req.request_id, ())
-            reqs.append(req)
             first_row[req.request_id] = len(rows)
             hidden_rows.extend(range(ends[j] - 1 - len(drafts), ends[j]))
             rows.extend(self._rows(req, drafts))
-        if not reqs:
+        if not rows:
             return RunnerOutput([], None)
         index = torch.tensor(hidden_rows, dtype=torch.int64)
         logits = self.model.compute_logits(hidden.index_select(0, index))       # [N, vocab]
