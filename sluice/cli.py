@@ -32,6 +32,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-waiting-requests", type=int, default=None)
     p.add_argument("--max-waiting-tokens", type=int, default=None)
     p.add_argument("--retention-ttl", type=float, default=10.0, help="seconds a finished workflow call's KV stays pinned")
+    p.add_argument("--starvation-s", type=float, default=None,
+                   help="workflow policy under KV pressure: a call waiting this long goes first (default 50)")
     p.add_argument("--attention-backend", default="auto")
     p.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads (default: all cores)")
     p.add_argument("--step-trace", default=None, metavar="PATH",
@@ -98,6 +100,7 @@ def build_engine_config(args: argparse.Namespace):
             max_waiting_requests=args.max_waiting_requests,
             max_waiting_tokens=args.max_waiting_tokens,
             retention_ttl_s=args.retention_ttl,
+            starvation_s=args.starvation_s,
         ),
         dtype=parse_dtype(args.dtype),
         seed=args.seed,

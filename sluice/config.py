@@ -93,6 +93,8 @@ class SchedulerConfig:
     max_waiting_tokens: Optional[int] = None     # admission bound on queued prompt tokens
     retention_ttl_s: float = 10.0          # KV retention of a finished workflow call
     aging_s: float = 5.0                   # waiting time that promotes a request by one level
+    # Under KV pressure, a call waiting this long goes before all others (None: 10 x aging_s).
+    starvation_s: Optional[float] = None
 
     def __post_init__(self) -> None:
         if self.max_num_seqs <= 0 or self.max_num_batched_tokens <= 0 or self.max_model_len <= 0:

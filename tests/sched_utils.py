@@ -41,6 +41,7 @@ def create_scheduler(
     max_waiting_requests: Optional[int] = None,
     max_waiting_tokens: Optional[int] = None,
     speculative: Optional[SpeculativeConfig] = None,
+    starvation_s: Optional[float] = None,
 ) -> Scheduler:
     """A scheduler over a real BlockPool, driven by a FakeClock (`scheduler.clock`)."""
     config = SchedulerConfig(
@@ -52,6 +53,7 @@ def create_scheduler(
         max_waiting_tokens=max_waiting_tokens,
         retention_ttl_s=retention_ttl_s,
         aging_s=aging_s,
+        starvation_s=starvation_s,
     )
     cache = CacheConfig(block_size=block_size, enable_prefix_caching=enable_prefix_caching)
     return Scheduler(config, cache, num_blocks, clock=FakeClock(), speculative=speculative)

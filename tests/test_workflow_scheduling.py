@@ -441,11 +441,12 @@ def test_resumed_request_is_not_preempted_again_before_progress():
 
 
 # --- memory pressure ----------------------------------------------------------------------------
-def pressured(schedule_at: float, heavy_at: float = 0.0):
+def pressured(schedule_at: float, heavy_at: float = 0.0, starvation_s=None):
     """A 10-block pool, 8 of them retained by `heavy-wf` (600+ tokens of service): under pressure.
     `light` (a new workflow's call) arrives at t=1, `heavy` (heavy-wf's follow-up call, resident)
     at `heavy_at`."""
-    s = create_scheduler(policy="workflow", num_blocks=10, max_num_seqs=1, retention_ttl_s=1000)
+    s = create_scheduler(policy="workflow", num_blocks=10, max_num_seqs=1, retention_ttl_s=1000,
+                         starvation_s=starvation_s)
     prompt = unique_prompt(128)
     create_request(s, "heavy-warmup", prompt, max_tokens=1, workflow_id="heavy-wf")
     drain(s)
@@ -475,6 +476,13 @@ def test_under_pressure_a_starving_call_goes_first():
     assert first_admitted(s) == "light"
     drain(s)
     assert_all_released(s)
+
+
+def test_the_starvation_bound_is_configurable():
+    s = pressured(schedule_at=1.0 + 3.0 + 0.01, heavy_at=3.0, starvation_s=3.0)
+    assert first_admitted(s) == "light"        # waited 3.01 s > 3 s
+    s = pressured(schedule_at=1.0 + 2.9, heavy_at=2.0, starvation_s=3.0)
+    assert first_admitted(s) == "heavy"
 
 
 def s_starve() -> float:

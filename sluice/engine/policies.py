@@ -47,8 +47,8 @@ class WorkflowPolicy:
     the others' and thrashing (measured: 51% prefix hits, TTFT p90 14.6 s at a 24k-token cache).
     The order then becomes finish-what-is-resident: resident calls first, and among them the
     workflows with the most service (the most KV to lose), so the preemption victim is the
-    resident call with the least service; a call waiting longer than `STARVATION_AGING` x
-    `aging_s` goes before all of them, so nothing starves.
+    resident call with the least service; a call waiting longer than `starvation_s` (default
+    `STARVATION_AGING` x `aging_s`) goes before all of them, so nothing starves.
     """
 
     name = "workflow"
@@ -58,6 +58,8 @@ class WorkflowPolicy:
 
     def __init__(self, config: SchedulerConfig, workflows: WorkflowTracker) -> None:
         self.aging_s = config.aging_s
+        self.starvation_s = (config.starvation_s if config.starvation_s is not None
+                             else self.STARVATION_AGING * config.aging_s)
         self.workflows = workflows
 
     def under_pressure(self) -> bool:
@@ -75,7 +77,7 @@ class WorkflowPolicy:
         wf = self.workflows.workflows.get(req.workflow_id)
         resident = bool(wf and (wf.retention is not None or wf.num_blocks_held > 0)) or bool(req.blocks)
         if self.under_pressure():
-            starving = now - req.arrival_time > self.STARVATION_AGING * self.aging_s
+            starving = now - req.arrival_time > self.starvation_s
             service = wf.service if wf else 0.0
             rank = 0 if starving else (1 if resident else 2)
             return (rank, -int(math.log2(1.0 + service / self.QUANTUM)), req.arrival_time)
