@@ -118,13 +118,14 @@ def test_decode_carries_drafts_and_counts_only_accepted_tokens():
 
 
 def test_rejected_drafts_free_their_extra_block():
-    s = create_scheduler(speculative=SPEC, block_size=4)
+    s = create_scheduler(speculative=SPEC, block_size=2)
     req = create_request(s, "a", [11, 12, 13, 11, 12, 13, 11], max_tokens=50)
-    _decoding(s, req, token=12)         # 8 tokens, 2 full blocks: drafts need a third block
+    _decoding(s, req, token=12)         # 8 tokens in 4 blocks of 2; 4 drafts need 2 more
+    free = s.pool.num_free_blocks
     out = s.schedule()
-    assert out.spec_tokens["a"] and len(req.blocks) == 3
-    s.update_from_output(out, [[15]])    # nothing accepted
-    assert req.num_tokens == 9 and len(req.blocks) == 3
+    assert out.spec_tokens["a"] == [13, 11, 12, 13] and len(req.blocks) == 6
+    s.update_from_output(out, [[15]])    # nothing accepted: 9 tokens need 5 blocks
+    assert req.num_tokens == 9 and len(req.blocks) == 5 and s.pool.num_free_blocks == free - 1
     s.check_invariants()
     out = s.schedule()
     s.update_from_output(out, [[*out.spec_tokens.get("a", []), 16]])
