@@ -222,11 +222,7 @@ class LLMEngine:
                     sample.logprobs.append(lps[i])
                     sample.cumulative_logprob += lps[i][tok].logprob
                 if stop_str is not None:
-                    extra = len(new) - i - 1   # speculated tokens after the stop string: never produced
-                    if extra:
-                        del req.output_token_ids[-extra:]
-                        del req.all_token_ids[-extra:]
-                        req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens)
+                    req.drop_output_tail(len(new) - i - 1)
                     break
             if stop_str is not None:
                 if req.is_finished:   # also hit a token-level stop; the stop string came first

@@ -106,6 +106,13 @@ class Request:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
 
+    def drop_output_tail(self, k: int) -> None:
+        """Forget the last k output tokens (speculated past a stop string: never produced)."""
+        if k > 0:
+            del self.output_token_ids[-k:]
+            del self.all_token_ids[-k:]
+            self.num_computed_tokens = min(self.num_computed_tokens, self.num_tokens)
+
     def check_stop(self, max_model_len: int) -> Optional[RequestStatus]:
         """Token-level stop conditions after a token was appended (stop strings are checked later)."""
         tok = self.output_token_ids[-1]

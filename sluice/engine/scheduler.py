@@ -17,8 +17,9 @@ pool has snapshot slots: with none, such a model gets no prefix-cache hits).
 Speculative decoding (prompt lookup, see spec_decode.py): a decode may carry drafts, so it
 computes 1 + k tokens. Drafts only use what is spare: they are added last, from the token budget
 that decodes and prefill chunks left, and take a new block only while blocks are plentiful;
-they never cause a preemption, a retention release or a delay to anything else. After the step only the accepted tokens count as computed; the KV of
-rejected drafts sits past `num_computed_tokens` and is overwritten by the next step.
+they never cause a preemption, a retention release or a delay to anything else. After the step
+only the accepted tokens count as computed; the KV of rejected drafts sits past
+`num_computed_tokens` (blocks past the request's tokens are given back) and is overwritten.
 """
 from __future__ import annotations
 
