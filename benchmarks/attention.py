@@ -2,9 +2,11 @@
 memory-bandwidth roofline, on SmolLM2-135M shapes (9 query heads, 3 KV heads, head_dim 64).
 
     .venv/bin/python benchmarks/attention.py [--dtype bfloat16|float32] [--repeats 20]
+                                             [--only LABEL-SUBSTRING] [--no-torch]
 
-Cases: decodes at batch 1/8/32 with context 256/1024/2048, and one 512-token prefill chunk after
-a 1024-token prefix. Each layer call writes the step's K/V and attends; the caches rotate over
+Cases: decodes at batch 1/8/32 with context 256/1024/2048, speculative verifications (4 query
+tokens per sequence) at batch 8/32 and context 1024/2048, one 512-token prefill chunk after a
+1024-token prefix and two 256-token chunks after 2048. Each layer call writes the step's K/V and attends; the caches rotate over
 enough layers (at least 128 MiB of KV in all) that K/V come from memory, not the last-level
 cache, as they do in a 30-layer model. Times are the best call over all layers and repeats (the
 machine is shared).
@@ -35,7 +37,10 @@ class Case:
 
 def cases() -> list[Case]:
     out = [Case(f"decode b={b:<2} ctx={c}", [c - 1] * b, [1] * b) for c in (256, 1024, 2048) for b in (1, 8, 32)]
+    # speculative verification: each sequence's last token plus 3 drafts
+    out += [Case(f"verify b={b:<2} q=4 ctx={c}", [c - 4] * b, [4] * b) for c in (1024, 2048) for b in (8, 32)]
     out.append(Case("prefill 512 after 1024", [1024], [512]))
+    out.append(Case("prefill 2x256 after 2048", [2048, 2048], [256, 256]))
     return out
 
 
@@ -109,6 +114,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--cpu-time", action="store_true", help="one thread, timed by its CPU clock")
+    ap.add_argument("--only", default=None, help="run only the cases whose label contains this")
+    ap.add_argument("--no-torch", action="store_true", help="skip the (slow) torch reference")
     args = ap.parse_args()
     if args.cpu_time:
         args.threads = 1
@@ -116,7 +123,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     clock = time.thread_time if args.cpu_time else time.perf_counter
     dtype = getattr(torch, args.dtype)
-    backends = {name: create_backend(name) for name in ("torch", "cpu")}
+    backends = {name: create_backend(name) for name in (("cpu",) if args.no_torch else ("torch", "cpu"))}
     bw = copy_bandwidth(clock)
     print(f"threads={torch.get_num_threads()} dtype={args.dtype} clock={'thread CPU' if args.cpu_time else 'wall'} "
           f"copy bandwidth={bw / 1e9:.1f} GB/s (read+write); per-layer times, best of {args.repeats}")
@@ -125,12 +132,15 @@ def main() -> None:
     g = torch.Generator().manual_seed(0)
     with torch.inference_mode():
         for case in cases():
+            if args.only and args.only not in case.label:
+                continue
             nbytes = kv_bytes(case, dtype)
             num_layers = max(2, -(-MIN_KV_BYTES // nbytes))
             layers = [make_layer(case, dtype, g) for _ in range(num_layers)]
             times = {name: time_layer(b, layers, args.repeats, clock) for name, b in backends.items()}
             roof = nbytes / bw
             cpu = times["cpu"]
+            times.setdefault("torch", float("nan"))
             print(f"{case.label:<24} {nbytes / 1e6:>6.2f} {roof * 1e6:>11.1f} {times['torch'] * 1e6:>9.1f} "
                   f"{cpu * 1e6:>8.1f} {times['torch'] / cpu:>6.1f}x {nbytes / cpu / 1e9:>8.1f} "
                   f"{cpu / roof:>8.2f} {attention_flops(case) / cpu / 1e9:>11.1f}")

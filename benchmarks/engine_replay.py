@@ -7,7 +7,7 @@ measures what the server and the client cost; its step trace shows what the engi
 
     .venv/bin/python benchmarks/engine_replay.py [--workflows 32] [--concurrency 32]
         [--max-num-batched-tokens 512] [--policy workflow] [--backend auto] [--step-trace PATH]
-        [--speculative-config '{"method": "ngram"}']
+        [--speculative-config '{"method": "ngram"}'] [--kv-cache-tokens 24064] [--admission load]
 """
 from __future__ import annotations
 
@@ -34,6 +34,10 @@ def main() -> None:
     ap.add_argument("--policy", default="workflow")
     ap.add_argument("--backend", default="auto")
     ap.add_argument("--kv-cache-gib", type=float, default=1.0)
+    ap.add_argument("--kv-cache-tokens", type=int, default=None, help="instead of --kv-cache-gib")
+    ap.add_argument("--admission", choices=["none", "load"], default="none",
+                    help="load: start a new workflow only while the engine is `accepting` (as "
+                         "`sluice bench --admission load` does through GET /load)")
     ap.add_argument("--step-trace", default=None)
     ap.add_argument("--speculative-config", default=None, help="as `sluice serve`'s flag")
     args = ap.parse_args()
@@ -42,7 +46,8 @@ def main() -> None:
     mcfg = load_model_config(path)
     eng = LLMEngine(EngineConfig(
         model_path=str(path), model=mcfg,
-        cache=CacheConfig(kv_cache_gib=args.kv_cache_gib),
+        cache=(CacheConfig(kv_cache_tokens=args.kv_cache_tokens) if args.kv_cache_tokens
+               else CacheConfig(kv_cache_gib=args.kv_cache_gib)),
         scheduler=SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=args.max_num_batched_tokens,
                                   max_model_len=mcfg.max_position_embeddings, policy=args.policy),
         attention_backend=args.backend, step_trace_path=args.step_trace,
@@ -71,16 +76,26 @@ def main() -> None:
                         WorkflowInfo(f"wf{i}", j == wf.num_steps - 1))
         started[rid] = time.monotonic()
 
-    active = 0
-    while pending and active < args.concurrency:
-        submit(pending.pop(), 0)
-        active += 1
+    gated = args.admission == "load"
+    slots = args.concurrency   # free client slots: a workflow ended and the next is not started
+
+    def admit() -> None:
+        nonlocal slots
+        while slots and pending and (not gated or eng.stats().accepting):
+            submit(pending.pop(), 0)
+            slots -= 1
+
     first: dict[str, float] = {}
+    admit()
     while eng.has_unfinished() or due or pending:
         now = time.monotonic()
         while due and due[0][0] <= now:
             _, i, j = heapq.heappop(due)
             submit(i, j)
+        admit()
+        if gated and slots and pending and not eng.has_unfinished() and not due:
+            submit(pending.pop(), 0)   # never idle: an empty engine takes the next workflow anyway
+            slots -= 1
         if not eng.has_unfinished():
             time.sleep(max(0.0, min(0.05, due[0][0] - now)) if due else 0.0)
             continue
@@ -100,16 +115,19 @@ def main() -> None:
             wf, _ = flows[i]
             if j + 1 < wf.num_steps:
                 heapq.heappush(due, (end + wf.steps[j].tool_latency_s, i, j + 1))
-            elif pending:
-                submit(pending.pop(), 0)
+            else:
+                slots += 1
     wall = time.monotonic() - t0
     q = statistics.quantiles(ttft, n=10)
     print(f"{args.workflows} workflows, concurrency {args.concurrency}, budget {args.max_num_batched_tokens}, "
-          f"policy {args.policy}, backend {args.backend}")
+          f"policy {args.policy}, backend {args.backend}, admission {args.admission}, "
+          f"KV {eng.scheduler.pool.num_blocks * eng.scheduler.block_size} tokens")
     print(f"wall {wall:.1f} s, output tokens {out_tokens}, aggregate {out_tokens / wall:.1f} tok/s, "
           f"generation speed p50 {statistics.median(speed):.1f} tok/s, TTFT p50 {statistics.median(ttft):.2f} s "
           f"p90 {q[8]:.2f} s")
     st = eng.stats()
+    print(f"prefix cache: {st.prefix_cache_hits / max(1, st.prefix_cache_queries):.1%} of prompt tokens hit, "
+          f"{st.num_preemptions} preemptions")
     if st.spec_drafts_total:
         print(f"speculation: {st.spec_draft_tokens_total} draft tokens in {st.spec_drafts_total} verifications, "
               f"{st.spec_accepted_tokens_total / st.spec_draft_tokens_total:.0%} accepted, "

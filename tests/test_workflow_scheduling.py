@@ -14,6 +14,7 @@ from sched_utils import (
     drain,
     run_step,
     scheduled_ids,
+    TOKEN,
     unique_prompt,
 )
 from sluice.engine.errors import RequestRejected
@@ -511,28 +512,58 @@ def test_under_pressure_the_victim_is_the_resident_call_with_least_service():
 def test_new_workflows_are_welcome_only_with_room_for_a_typical_call():
     """40 blocks of 16 tokens. A typical call starts at min(1k tokens, an eighth of the cache) = 5
     blocks and follows finished calls (moving average); `accepting` needs that many blocks beyond
-    what running calls will grow into and what waiting calls need."""
+    what running calls will grow into and what waiting calls need. These calls are each their
+    workflow's last, so no further calls are reserved for (see the next test)."""
     s = create_scheduler(num_blocks=40, retention_ttl_s=100.0)
     assert s.typical_call_blocks == 5 and s.kv_headroom() == 40 and s.accepting()
-    # Two running calls of a workflow that will each grow to 16 blocks (100 + 156 tokens).
-    a = create_request(s, "a", 100, max_tokens=156, workflow_id="wf-a")
-    b = create_request(s, "b", 100, max_tokens=156, workflow_id="wf-b")
+    # Two running calls that will each grow to 16 blocks (100 + 156 tokens).
+    a = create_request(s, "a", 100, max_tokens=156, workflow_id="wf-a", is_last_step=True)
+    b = create_request(s, "b", 100, max_tokens=156, workflow_id="wf-b", is_last_step=True)
     assert s.kv_headroom() == 40 - 2 * 7                # waiting: their prompts' 7 blocks each
     run_step(s)
     assert s.kv_headroom() == 40 - 2 * 16              # running: up to max_tokens
     assert s.accepting()                               # 8 >= 5
-    create_request(s, "c", 100, max_tokens=28, workflow_id="wf-c")   # 7 blocks waiting
+    create_request(s, "c", 100, max_tokens=28, workflow_id="wf-c", is_last_step=True)  # 7 blocks waiting
     assert s.kv_headroom() == 1 and not s.accepting() and not s.stats().accepting
     drain(s)
-    # Finished calls are retained (pinned) between calls: their blocks stay out of the headroom.
-    held = s.workflows.num_retained_blocks
-    assert held > 0 and s.kv_headroom() == 40 - held
+    assert s.workflows.num_retained_blocks == 0 and s.kv_headroom() == 40 and s.accepting()
     # The average moved towards the finished calls' sizes (16, 16 and 8 blocks).
     assert s.typical_call_blocks > 5
-    assert s.accepting() == (40 - held >= s.typical_call_blocks)
-    for wf in ("wf-a", "wf-b", "wf-c"):
-        s.workflows.release(s.workflows.workflows[wf])
-    assert s.accepting()
+    assert_all_released(s)
+
+
+def test_the_headroom_reserves_the_next_call_of_every_workflow_not_at_its_last_step():
+    """A workflow whose call is running, or whose KV is retained while it waits on a tool, will
+    send another call that adds about a typical call's growth (its new prompt tokens and output,
+    a moving average over finished calls of the blocks beyond their prefix hit). That growth is
+    kept out of the headroom: otherwise the cache looks roomy exactly while the admitted
+    workflows are between calls, and a workflow admitted then evicts their KV."""
+    s = create_scheduler(num_blocks=40, retention_ttl_s=100.0)
+    g = s.typical_growth_blocks
+    assert g == 2                                       # half the starting typical call
+    first_prompt = unique_prompt(100)
+    create_request(s, "a1", first_prompt, max_tokens=28, ignore_eos=True, workflow_id="wf-a")
+    create_request(s, "b1", 100, max_tokens=28, ignore_eos=True, workflow_id="wf-b", is_last_step=True)
+    run_step(s)
+    # Running: 8 blocks each to max_tokens; only wf-a will call again.
+    assert s.kv_headroom() == 40 - 2 * 8 - 1 * g
+    drain(s)
+    # wf-a is retained between calls (the 7 full blocks of its 127 computed tokens pinned: the
+    # last sampled token has no KV yet), wf-b ended with its last step.
+    wf_a = s.workflows.workflows["wf-a"]
+    assert wf_a.retention is not None and len(wf_a.retention.blocks) == 7 and s.workflows.num_retentions == 1
+    # Finished calls found nothing cached: each added all its 8 blocks, so the average grew.
+    assert s.typical_growth_blocks == round(0.9 * round(0.9 * g + 0.1 * 8) + 0.1 * 8)
+    g = s.typical_growth_blocks
+    assert s.kv_headroom() == 40 - s.workflows.num_retained_blocks - g
+    # Its next call (the conversation so far plus 20 new tokens, 12 to generate: 10 blocks) hits
+    # the 7 retained blocks; it adds only the 3 blocks beyond them to the average.
+    create_request(s, "a2", first_prompt + [TOKEN] * 28 + unique_prompt(20), max_tokens=12, ignore_eos=True,
+                   workflow_id="wf-a", is_last_step=True)
+    drain(s)
+    assert s.requests == {} and s.workflows.num_retentions == 0
+    assert s.typical_growth_blocks == max(1, round(0.9 * g + 0.1 * 3))
+    assert s.kv_headroom() == 40
     assert_all_released(s)
 
 

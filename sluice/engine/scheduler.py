@@ -84,6 +84,9 @@ class Scheduler:
         # Blocks of a finished call (prompt + output), a moving average: the size of a call of a
         # workflow admitted now, for `accepting`. Starts at 1k tokens or an eighth of the cache.
         self.typical_call_blocks = min(self.kv.blocks_for(1024), max(1, num_blocks // 8))
+        # Blocks a finished call added beyond the prefix it found cached (its new prompt tokens
+        # and its output), a moving average: what a retained workflow's next call will need.
+        self.typical_growth_blocks = max(1, self.typical_call_blocks // 2)
         self.num_preemptions = 0
         self._held_workflows: set[str] = set()   # workflows whose num_blocks_held is set
         self.prompt_tokens_total = 0
@@ -119,8 +122,8 @@ class Scheduler:
         """Whether a new workflow is welcome now (`GET /load`); calls are still accepted either way,
         up to the waiting-queue bounds. Not when the queue is at a bound, when calls wait for a
         sequence slot, or when the KV cache cannot take one more call of typical size on top of
-        what the running calls will still grow into: a workflow admitted then would only
-        displace the KV of those already running (and retained between their calls)."""
+        the working set of the workflows already admitted (`kv_headroom`): a workflow admitted
+        then would only displace the KV of those already running or waiting on a tool."""
         c = self.config
         if c.max_waiting_requests is not None and len(self.waiting) >= c.max_waiting_requests:
             return False
@@ -131,14 +134,22 @@ class Scheduler:
         return self.kv_headroom() >= self.typical_call_blocks
 
     def kv_headroom(self) -> int:
-        """Blocks free (or evictable) beyond what running calls need to reach their max_tokens."""
+        """Blocks free (or evictable) beyond the admitted workflows' working set: what running
+        calls need to reach their max_tokens, what waiting calls need, and, for each workflow
+        retained between its calls (waiting on a tool), the blocks its next call will add (a
+        typical call's growth). Without that last term the cache looks roomy exactly while the
+        admitted workflows are between calls, and a workflow admitted then evicts their KV."""
         growth = sum(max(0, self.kv.blocks_for(r.max_total_tokens) - len(r.blocks)) for r in self.running)
         queued = sum(self.kv.blocks_for(r.num_tokens_to_compute) for r in self.waiting)
-        return self.pool.num_free_blocks - growth - queued
+        more_calls = self.workflows.num_retentions + sum(
+            1 for r in self.running if r.has_named_workflow and not r.is_last_step)
+        return self.pool.num_free_blocks - growth - queued - more_calls * self.typical_growth_blocks
 
     def _observe_call_size(self, req: Request) -> None:
         blocks = self.kv.blocks_for(req.num_tokens)
         self.typical_call_blocks = round(0.9 * self.typical_call_blocks + 0.1 * blocks)
+        added = blocks - max(0, req.num_cached_tokens) // self.block_size
+        self.typical_growth_blocks = max(1, round(0.9 * self.typical_growth_blocks + 0.1 * added))
 
     def check_fits(self, prompt_len: int, max_tokens: int) -> None:
         """Reject a request that can never fit the context or the KV cache."""

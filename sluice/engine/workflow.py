@@ -72,6 +72,11 @@ class WorkflowTracker:
 
     # --- retention ---------------------------------------------------------------------
     @property
+    def num_retentions(self) -> int:
+        """Workflows whose KV is retained: between calls, their next one expected."""
+        return sum(1 for wf in self.workflows.values() if wf.retention is not None)
+
+    @property
     def num_retained_blocks(self) -> int:
         return sum(len(wf.retention.blocks) for wf in self.workflows.values() if wf.retention)
 
