@@ -567,6 +567,29 @@ def test_the_headroom_reserves_the_next_call_of_every_workflow_not_at_its_last_s
     assert_all_released(s)
 
 
+def test_the_headroom_reserves_what_an_admitted_workflow_will_grow_to():
+    """A workflow grows with every call; admission cannot take back a workflow once admitted, so
+    each one not at its last step keeps out of the headroom what it still lacks of a typical
+    workflow's final size (the moving average of last calls' blocks), at least one call's growth."""
+    s = create_scheduler(num_blocks=400, retention_ttl_s=100.0)
+    final, g = s.typical_final_blocks, s.typical_growth_blocks
+    assert (final, g) == (50, 25)                      # an eighth of the cache, and half of that
+    create_request(s, "a1", 100, max_tokens=28, ignore_eos=True, workflow_id="wf-a")
+    run_step(s)
+    assert s.kv_headroom() == 400 - 8 - (final - 8)    # 8 blocks at max_tokens, 42 still to come
+    drain(s)
+    retained = s.workflows.num_retained_blocks
+    assert retained == 7 and s.kv_headroom() == 400 - 7 - (final - 7)
+    # A last call of 10 blocks pulls the typical final size down, and with it the reservation.
+    create_request(s, "b1", 100, max_tokens=60, ignore_eos=True, workflow_id="wf-b", is_last_step=True)
+    drain(s)
+    assert s.typical_final_blocks == round(0.9 * final + 0.1 * 10) == 46
+    assert s.kv_headroom() == 400 - 7 - (46 - 7)
+    s.workflows.release(s.workflows.workflows["wf-a"])
+    assert s.kv_headroom() == 400
+    assert_all_released(s)
+
+
 def test_a_full_sequence_table_with_a_queue_is_not_welcoming():
     s = create_scheduler(max_num_seqs=1)
     create_request(s, "a", 10, max_tokens=3)
