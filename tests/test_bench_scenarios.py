@@ -126,6 +126,32 @@ def test_load_gate_waits_while_not_accepting():
     assert gate.waits == 3 and gate.available is True
 
 
+def test_waiting_slots_share_one_load_poller():
+    """8 slots wait on a server that refuses for 0.2 s: they probe /load about twice per poll
+    interval in all (each slot polling on its own would make ~80 probes), then all get in, and
+    each `accepting` answer admits one workflow."""
+    t0 = time.perf_counter()
+
+    class Refusing:
+        calls = 0
+
+        async def __call__(self) -> dict[str, Any]:
+            self.calls += 1
+            await asyncio.sleep(0.001)    # an HTTP round trip
+            return {"accepting": time.perf_counter() - t0 > 0.2}
+
+    probe = Refusing()
+    gate = LoadGate(Window(60.0, lambda: 0.0), probe, poll_s=0.02)
+
+    async def main() -> list[Optional[int]]:
+        return await asyncio.gather(*(gate.admit() for _ in range(8)))
+
+    assert sorted(asyncio.run(main())) == list(range(8))
+    refusals = probe.calls - 8                     # one accepting answer per admission
+    assert 5 <= refusals <= 2 * 0.2 / 0.02 + 4
+    assert gate.waits >= 8 * 5                      # every slot waited out the refusals
+
+
 def test_load_gate_falls_back_without_load_endpoint():
     probe = ScriptedLoad([None])
     gate = LoadGate(Window(60.0, lambda: 0.0), probe, poll_s=0.001)
