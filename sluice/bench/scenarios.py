@@ -104,7 +104,7 @@ class LoadGate:
         self.probe = probe
         self.poll_s = poll_s
         self.available: Optional[bool] = None   # unknown until the first probe
-        self.waits = 0                          # polls that found the server not accepting
+        self.waits = 0                          # times a slot waited: the server was not accepting
         self._lock = asyncio.Lock()
         self._refused_at: Optional[float] = None   # when the last probe said not accepting
 
