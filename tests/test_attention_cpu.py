@@ -4,13 +4,13 @@
   the unpaged K/V, plus the cache contents after the write, on shuffled block tables. Here with
   GQA ratios 1/3/4, head_dim 64 and 128, block sizes 16/32, and batches shaped to reach every path
   of the kernel: decodes grouped per sequence (all kv heads in one work item) and per kv head,
-  prefill chunks split into query tiles, keys in several 32-key chunks with partial tails.
+  prefill chunks split into query tiles, keys in several 64-key chunks with partial tails.
 - `TorchPagedAttention` at SmolLM2's real step shape (32 decodes of 1-2k context plus a 500-token
   chunk after a prefix), outputs and caches compared directly.
 - The real model: greedy generation through `LLM(attention_backend="cpu")` equals "torch".
 
 Tolerances: float32 1e-5 (atol and rtol), the shared checker's: the kernel sums in a different
-order (32-key chunks, online softmax, a polynomial exp2 with relative error < 1e-8), which moves
+order (64-key chunks, online softmax, a polynomial exp2 with relative error < 1e-8), which moves
 results by ~1e-6; a wrong mask, slot or scale moves them by O(0.1). bfloat16 2e-2: q/k/v and the
 output carry 8 mantissa bits (an output of ~1 is rounded by up to 4e-3) and, like torch's CPU
 flash attention, the kernel rounds the softmax weights to bf16 before multiplying by V, so a few
@@ -35,10 +35,10 @@ pytestmark = pytest.mark.skipif(bool(extension.missing_cpu_flags()),
                                 reason=f"CPU lacks {extension.missing_cpu_flags()}")
 
 # Decodes first (as the runner orders them), then chunks with and without prefixes. Contexts
-# cross 32-key chunk and block boundaries; query lengths cover one tile, several tiles and a
-# partial last tile for every group size (a tile is 48 // group tokens).
-MANY = ([SeqCase(c, 1) for c in (0, 1, 15, 31, 32, 33, 64, 100, 255, 300)]
-        + [SeqCase(0, 40), SeqCase(70, 100), SeqCase(5, 1), SeqCase(31, 17), SeqCase(200, 3)])
+# cross 64-key chunk and block boundaries; query lengths cover one tile, several tiles and a
+# partial last tile for every group size (a tile is 96 // group tokens).
+MANY = ([SeqCase(c, 1) for c in (0, 1, 15, 31, 32, 33, 63, 64, 65, 100, 127, 128, 255, 300)]
+        + [SeqCase(0, 40), SeqCase(70, 100), SeqCase(5, 1), SeqCase(31, 17), SeqCase(200, 3), SeqCase(60, 69)])
 # Two long decodes: enough work for two threads but too few sequences to give each one item, so
 # (with two or more threads) each kv head is an item.
 FEW_DECODES = [SeqCase(2000, 1), SeqCase(2100, 1)]

@@ -8,12 +8,16 @@
 // Work is split into items, run largest first by the threads pulling from an atomic counter:
 //   - a short query (a decode) covers all kv heads of its sequence, when there are enough such
 //     sequences to keep the threads busy: it then reads whole cache rows, in address order;
-//   - otherwise (sequence, kv head, tile of up to 48 / group query tokens).
+//   - otherwise (sequence, kv head, tile of up to 96 / group query tokens).
 // Within an item, the rows of one kv head are (query token, query head of the group) pairs, so
-// each K/V row is loaded and rearranged once per group. Keys are consumed in chunks of 32 with an
-// online softmax in float32 (base 2: scores are pre-multiplied by scale * log2 e). Per chunk:
-//   K: two 16-key tiles transposed so one vector holds a head-dim slice of 16 keys; a score
+// each K/V row is loaded and rearranged once per group. Keys are consumed in chunks of 64 with an
+// online softmax in float32 (base 2: scores are multiplied by scale * log2 e). Per chunk:
+//   K: four 16-key tiles transposed so one vector holds a head-dim slice of 16 keys; a score
 //      vector is 16 keys of one row, with no horizontal sums.
+//   Scores and softmax: blocks of 4 rows, their 16 score vectors kept in registers; the 4 rows'
+//      maxima come from one shared shuffle tree, the softmax denominators are summed lane-wise
+//      (reduced once, at the end), and exp2 runs without range clamps (arguments are <= 0; keys
+//      a row may not see are zeroed by the final scale's mask).
 //   V: bfloat16 rows of adjacent keys interleaved into (key j, key j+1) pairs so `vdpbf16ps`
 //      accumulates p_j v_j + p_j+1 v_j+1 (this permutes the head dim inside the accumulator,
 //      undone on output); float32 V rows are used in place with plain FMAs.
@@ -45,8 +49,9 @@
 
 namespace {
 
-constexpr int kChunk = 32;     // keys per online-softmax step: two 16-key score vectors
-constexpr int kMaxRows = 48;   // query rows (token x head) per work item
+constexpr int kChunk = 64;     // keys per online-softmax step: four 16-key score vectors
+constexpr int kTiles = kChunk / 16;
+constexpr int kMaxRows = 96;   // query rows (token x head) per work item
 constexpr int kMaxHeadDim = 128;
 // Below this much work per thread (query rows x keys; ~4 ns each) a step runs on fewer threads:
 // waking a thread costs more than it saves, and far more when the cores are oversubscribed.
@@ -57,7 +62,40 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 alignas(64) const float kZeroRow[kMaxHeadDim] = {};  // stands in for keys past the chunk's end
 
 using sluice_simd::bf16;
-using sluice_simd::exp2_ps;
+
+// 2^x for x <= 0 (or -inf / NaN in lanes outside `keep`, which come out 0), as in simd.h's exp2_ps
+// but without its clamps, and with a Taylor polynomial of degree kDegree (5: relative error
+// < 3e-6, far below the bf16 rounding of the probabilities; 7: below float32 rounding).
+template <int kDegree>
+inline __m512 exp2_nonpositive(__m512 x, __mmask16 keep) {
+  static_assert(kDegree == 5 || kDegree == 7);
+  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(x, n);
+  __m512 y;
+  if constexpr (kDegree == 7) {
+    y = _mm512_set1_ps(1.5252734e-05f);                  // ln2^7 / 7!
+    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(1.5403530e-04f));
+    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(1.3333558e-03f));
+  } else {
+    y = _mm512_set1_ps(1.3333558e-03f);                  // ln2^5 / 5!
+  }
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(9.6181291e-03f));
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(5.5504109e-02f));
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(2.4022651e-01f));
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(6.9314718e-01f));
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(1.0f));
+  return _mm512_maskz_scalef_ps(keep, y, n);
+}
+
+// The maxima of four vectors: lanes 4i .. 4i + 3 of the result all hold max(v[i]).
+inline __m512 max4x16(const __m512 v[4]) {
+  const __m512 ab = _mm512_max_ps(_mm512_shuffle_f32x4(v[0], v[1], 0x44), _mm512_shuffle_f32x4(v[0], v[1], 0xEE));
+  const __m512 cd = _mm512_max_ps(_mm512_shuffle_f32x4(v[2], v[3], 0x44), _mm512_shuffle_f32x4(v[2], v[3], 0xEE));
+  // 128-bit lane i now holds four partial maxima of v[i]
+  __m512 x = _mm512_max_ps(_mm512_shuffle_f32x4(ab, cd, 0x88), _mm512_shuffle_f32x4(ab, cd, 0xDD));
+  x = _mm512_max_ps(x, _mm512_permute_ps(x, 0xB1));
+  return _mm512_max_ps(x, _mm512_permute_ps(x, 0x4E));
+}
 
 
 // In-place transpose of a 16x16 matrix of 32-bit elements held as 16 row vectors.
@@ -122,9 +160,11 @@ struct Ops<bf16, D> {
   static constexpr int kVecs = D / 16;    // float32 vectors per accumulator row
   static constexpr int kPvRows = 24 / kVecs;
 
+  static constexpr int kExpDegree = 5;   // the probabilities are rounded to bf16 anyway
+
   struct Buffers {
     alignas(64) uint32_t q[kMaxRows][kPairs];        // query rows as bf16 pairs
-    alignas(64) __m512i kt[2][kPairs];               // [key tile][d pair]: that pair of 16 keys
+    alignas(64) __m512i kt[kTiles][kPairs];          // [key tile][d pair]: that pair of 16 keys
     alignas(64) __m512i vp[kChunk / 2][kVecs];       // [key pair][vector]: interleaved V rows
     alignas(64) uint32_t p[kMaxRows][kChunk / 2];    // probabilities as bf16 (key j, key j+1) pairs
   };
@@ -132,7 +172,7 @@ struct Ops<bf16, D> {
   static void load_q(Buffers& b, int r, const bf16* src) { std::memcpy(b.q[r], src, D * sizeof(bf16)); }
 
   static void load_k(Buffers& b, const bf16* const* rows) {
-    for (int tile = 0; tile < 2; ++tile) {
+    for (int tile = 0; tile < kTiles; ++tile) {
       for (int h = 0; h < D / 32; ++h) {
         __m512i r[16];
         for (int j = 0; j < 16; ++j) r[j] = _mm512_loadu_si512(rows[16 * tile + j] + 32 * h);
@@ -142,30 +182,25 @@ struct Ops<bf16, D> {
     }
   }
 
-  // s[r][0:32] = q_r . k_j over the chunk's keys, for rows [begin, end).
-  static void scores(const Buffers& b, int begin, int end, float (*s)[kChunk]) {
-    for_row_blocks<4>(begin, end, [&]<int N>(int r0) {
-      __m512 acc[N][2][2];  // [row][key tile][even / odd d pair]: independent dependency chains
-      for (int i = 0; i < N; ++i)
-        for (int t = 0; t < 2; ++t) acc[i][t][0] = acc[i][t][1] = _mm512_setzero_ps();
+  // acc[i][t] = q_(r0+i) . k_j for the 16 keys of tile t (N <= 4 rows: up to 16 independent chains).
+  template <int N>
+  static void scores(const Buffers& b, int r0, __m512 (&acc)[N][kTiles]) {
+    for (int i = 0; i < N; ++i)
+      for (int t = 0; t < kTiles; ++t) acc[i][t] = _mm512_setzero_ps();
 #pragma GCC unroll 4
-      for (int p = 0; p < kPairs; p += 2) {
-        for (int e = 0; e < 2; ++e) {
-          const __m512i k0 = b.kt[0][p + e], k1 = b.kt[1][p + e];
-          for (int i = 0; i < N; ++i) {
-            const __m512bh qv = (__m512bh)_mm512_set1_epi32(b.q[r0 + i][p + e]);
-            acc[i][0][e] = _mm512_dpbf16_ps(acc[i][0][e], (__m512bh)k0, qv);
-            acc[i][1][e] = _mm512_dpbf16_ps(acc[i][1][e], (__m512bh)k1, qv);
-          }
-        }
+    for (int p = 0; p < kPairs; ++p) {
+      __m512i k[kTiles];
+      for (int t = 0; t < kTiles; ++t) k[t] = b.kt[t][p];
+      for (int i = 0; i < N; ++i) {
+        const __m512bh qv = (__m512bh)_mm512_set1_epi32(b.q[r0 + i][p]);
+        for (int t = 0; t < kTiles; ++t) acc[i][t] = _mm512_dpbf16_ps(acc[i][t], (__m512bh)k[t], qv);
       }
-      for (int i = 0; i < N; ++i)
-        for (int t = 0; t < 2; ++t) _mm512_store_ps(s[r0 + i] + 16 * t, _mm512_add_ps(acc[i][t][0], acc[i][t][1]));
-    });
+    }
   }
 
-  static void store_p(Buffers& b, int r, __m512 p0, __m512 p1) {
-    _mm512_store_si512(b.p[r], (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
+  static void store_p(Buffers& b, int r, const __m512 (&p)[kTiles]) {
+    for (int t = 0; t < kTiles; t += 2)
+      _mm512_store_si512(b.p[r] + 8 * t, (__m512i)_mm512_cvtne2ps_pbh(p[t + 1], p[t]));
   }
 
   static void load_v(Buffers& b, const bf16* const* rows, int n) {
@@ -221,16 +256,18 @@ struct Ops<float, D> {
   static constexpr int kVecs = D / 16;
   static constexpr int kPvRows = 24 / kVecs;
 
+  static constexpr int kExpDegree = 7;
+
   struct Buffers {
     alignas(64) float q[kMaxRows][D];
-    alignas(64) __m512 kt[2][D];                 // [key tile][d]: that element of 16 keys
+    alignas(64) __m512 kt[kTiles][D];            // [key tile][d]: that element of 16 keys
     alignas(64) float p[kMaxRows][kChunk];
   };
 
   static void load_q(Buffers& b, int r, const float* src) { std::memcpy(b.q[r], src, D * sizeof(float)); }
 
   static void load_k(Buffers& b, const float* const* rows) {
-    for (int tile = 0; tile < 2; ++tile) {
+    for (int tile = 0; tile < kTiles; ++tile) {
       for (int h = 0; h < D / 16; ++h) {
         __m512i r[16];
         for (int j = 0; j < 16; ++j) r[j] = _mm512_loadu_si512(rows[16 * tile + j] + 16 * h);
@@ -240,30 +277,23 @@ struct Ops<float, D> {
     }
   }
 
-  static void scores(const Buffers& b, int begin, int end, float (*s)[kChunk]) {
-    for_row_blocks<4>(begin, end, [&]<int N>(int r0) {
-      __m512 acc[N][2][2];
-      for (int i = 0; i < N; ++i)
-        for (int t = 0; t < 2; ++t) acc[i][t][0] = acc[i][t][1] = _mm512_setzero_ps();
+  template <int N>
+  static void scores(const Buffers& b, int r0, __m512 (&acc)[N][kTiles]) {
+    for (int i = 0; i < N; ++i)
+      for (int t = 0; t < kTiles; ++t) acc[i][t] = _mm512_setzero_ps();
 #pragma GCC unroll 4
-      for (int d = 0; d < D; d += 2) {
-        for (int e = 0; e < 2; ++e) {
-          const __m512 k0 = b.kt[0][d + e], k1 = b.kt[1][d + e];
-          for (int i = 0; i < N; ++i) {
-            const __m512 qv = _mm512_set1_ps(b.q[r0 + i][d + e]);
-            acc[i][0][e] = _mm512_fmadd_ps(k0, qv, acc[i][0][e]);
-            acc[i][1][e] = _mm512_fmadd_ps(k1, qv, acc[i][1][e]);
-          }
-        }
+    for (int d = 0; d < D; ++d) {
+      __m512 k[kTiles];
+      for (int t = 0; t < kTiles; ++t) k[t] = b.kt[t][d];
+      for (int i = 0; i < N; ++i) {
+        const __m512 qv = _mm512_set1_ps(b.q[r0 + i][d]);
+        for (int t = 0; t < kTiles; ++t) acc[i][t] = _mm512_fmadd_ps(k[t], qv, acc[i][t]);
       }
-      for (int i = 0; i < N; ++i)
-        for (int t = 0; t < 2; ++t) _mm512_store_ps(s[r0 + i] + 16 * t, _mm512_add_ps(acc[i][t][0], acc[i][t][1]));
-    });
+    }
   }
 
-  static void store_p(Buffers& b, int r, __m512 p0, __m512 p1) {
-    _mm512_store_ps(b.p[r], p0);
-    _mm512_store_ps(b.p[r] + 16, p1);
+  static void store_p(Buffers& b, int r, const __m512 (&p)[kTiles]) {
+    for (int t = 0; t < kTiles; ++t) _mm512_store_ps(b.p[r] + 16 * t, p[t]);
   }
 
   static void load_v(Buffers&, const float* const*, int) {}
@@ -318,9 +348,9 @@ template <typename T, int D>
 struct ItemRunner {
   using O = Ops<T, D>;
   typename O::Buffers b;
-  alignas(64) float s[kMaxRows][kChunk];
   alignas(64) float acc[kMaxRows][D];
-  float m[kMaxRows], l[kMaxRows], alpha[kMaxRows];
+  alignas(64) __m512 l[kMaxRows];   // softmax denominators, summed lane-wise
+  float m[kMaxRows + 4], alpha[kMaxRows + 4];  // m in base-2 score units; +4: whole-block loads
   int32_t qpos[kMaxRows];
   int64_t q_offset[kMaxRows], out_offset[kMaxRows];
   const T* kslots[kChunk];  // the chunk's cache slots at head kv_begin
@@ -346,9 +376,10 @@ struct ItemRunner {
       O::load_q(b, r, q + q_offset[r]);
       qpos[r] = context + token;
       m[r] = kNegInf;
-      l[r] = 0.0f;
+      l[r] = _mm512_setzero_ps();
     }
     std::memset(acc, 0, sizeof(float) * D * rows);
+    std::fill(m + rows, m + kMaxRows + 4, kNegInf);
 
     const int32_t* table = pb.block_tables + it.seq * pb.table_width;
     const int32_t num_keys = context + it.q_end;  // the last row's causal horizon
@@ -365,13 +396,12 @@ struct ItemRunner {
         }
         const int r0 = hh * per_head, r1 = r0 + per_head;
         O::load_k(b, krows);
-        O::scores(b, r0, r1, s);
-        for (int r = r0; r < r1; ++r) softmax_row(r, std::min(n, qpos[r] - start + 1));
+        for_row_blocks<4>(r0, r1, [&]<int N>(int rb) { scores_softmax<N>(rb, start, n); });
         O::load_v(b, vrows, n);
         O::accumulate(b, vrows, n, r0, r1, alpha, acc);
       }
     }
-    for (int r = 0; r < rows; ++r) O::store_out(acc[r], 1.0f / l[r], out + out_offset[r]);
+    for (int r = 0; r < rows; ++r) O::store_out(acc[r], 1.0f / _mm512_reduce_add_ps(l[r]), out + out_offset[r]);
   }
 
  private:
@@ -415,26 +445,46 @@ struct ItemRunner {
     });
   }
 
-  // Online softmax of row r over this chunk's first `valid` keys (the rest are masked).
-  void softmax_row(int r, int valid) {
-    if (valid <= 0) {  // every key of the chunk is in this row's future
-      alpha[r] = 1.0f;
-      O::store_p(b, r, _mm512_setzero_ps(), _mm512_setzero_ps());
-      return;
+  // Scores of rows [rb, rb + N) against the chunk's keys [start, start + n), and their online
+  // softmax step: the rows' new maxima m, the factors alpha that rescale what they accumulated so
+  // far, their denominators l, and the chunk's probabilities in the P buffer (0 where a key is past
+  // the chunk's end or in the row's future).
+  template <int N>
+  void scores_softmax(int rb, int32_t start, int n) {
+    __m512 a[N][kTiles];
+    O::template scores<N>(b, rb, a);
+    __mmask16 keep[N][kTiles];
+    __m512 mx[4];
+    for (int i = 0; i < N; ++i) {
+      const int valid = std::min(n, qpos[rb + i] - start + 1);  // keys this row sees (may be <= 0)
+      const uint64_t bits = valid >= kChunk ? ~0ull : valid <= 0 ? 0 : (1ull << valid) - 1;
+      for (int t = 0; t < kTiles; ++t) {
+        keep[i][t] = static_cast<__mmask16>(bits >> (16 * t));
+        a[i][t] = _mm512_mask_mov_ps(_mm512_set1_ps(kNegInf), keep[i][t], a[i][t]);
+      }
+      mx[i] = _mm512_max_ps(_mm512_max_ps(a[i][0], a[i][1]), _mm512_max_ps(a[i][2], a[i][3]));
     }
-    const uint32_t bits = valid >= 32 ? 0xFFFFFFFFu : (1u << valid) - 1;
-    const __mmask16 m0 = static_cast<__mmask16>(bits), m1 = static_cast<__mmask16>(bits >> 16);
-    const __m512 c = _mm512_set1_ps(score_scale), neg = _mm512_set1_ps(kNegInf);
-    const __m512 s0 = _mm512_mask_mul_ps(neg, m0, _mm512_load_ps(s[r]), c);
-    const __m512 s1 = _mm512_mask_mul_ps(neg, m1, _mm512_load_ps(s[r] + 16), c);
-    const float m_new = std::max(m[r], _mm512_reduce_max_ps(_mm512_max_ps(s0, s1)));
-    alpha[r] = m_new > m[r] ? std::exp2(m[r] - m_new) : 1.0f;
-    const __m512 mv = _mm512_set1_ps(m_new);
-    const __m512 p0 = _mm512_maskz_mov_ps(m0, exp2_ps(_mm512_sub_ps(s0, mv)));
-    const __m512 p1 = _mm512_maskz_mov_ps(m1, exp2_ps(_mm512_sub_ps(s1, mv)));
-    l[r] = l[r] * alpha[r] + _mm512_reduce_add_ps(_mm512_add_ps(p0, p1));
-    m[r] = m_new;
-    O::store_p(b, r, p0, p1);
+    for (int i = N; i < 4; ++i) mx[i] = mx[0];
+    // Lanes 4i .. 4i + 3 below belong to row rb + i.
+    const __m512i spread = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+    const __m512i firsts = _mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
+    const __m512 c = _mm512_set1_ps(score_scale);
+    const __m512 m_old = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(_mm_loadu_ps(m + rb)));
+    const __m512 m_new = _mm512_max_ps(m_old, _mm512_mul_ps(max4x16(mx), c));
+    // exp2(m_old - m_new); the first chunk's m_old is -inf: clamped, its alpha is ~0 (and scales zeros)
+    const __m512 al = exp2_nonpositive<O::kExpDegree>(_mm512_max_ps(_mm512_sub_ps(m_old, m_new), _mm512_set1_ps(-127.0f)), 0xFFFF);
+    const __mmask8 rows_mask = static_cast<__mmask8>((1u << N) - 1);
+    _mm_mask_storeu_ps(m + rb, rows_mask, _mm512_castps512_ps128(_mm512_permutexvar_ps(firsts, m_new)));
+    _mm_mask_storeu_ps(alpha + rb, rows_mask, _mm512_castps512_ps128(_mm512_permutexvar_ps(firsts, al)));
+    for (int i = 0; i < N; ++i) {
+      const __m512i lane = _mm512_set1_epi32(4 * i);
+      const __m512 mi = _mm512_permutexvar_ps(lane, m_new);
+      __m512 p[kTiles];
+      for (int t = 0; t < kTiles; ++t) p[t] = exp2_nonpositive<O::kExpDegree>(_mm512_fmsub_ps(a[i][t], c, mi), keep[i][t]);
+      const __m512 sum = _mm512_add_ps(_mm512_add_ps(p[0], p[1]), _mm512_add_ps(p[2], p[3]));
+      l[rb + i] = _mm512_fmadd_ps(l[rb + i], _mm512_permutexvar_ps(lane, al), sum);
+      O::store_p(b, rb + i, p);
+    }
   }
 };
 
