@@ -157,3 +157,10 @@ def assert_all_released(scheduler: Scheduler) -> None:
     assert scheduler.workflows.num_retained_blocks == 0
     assert scheduler.pool.all_unreferenced()
     assert all(b.ref_cnt == 0 for b in scheduler.pool.blocks)
+
+
+def no_waiting_for_blocks(monkeypatch) -> None:
+    """Make a running request short of a block preempt at once, as the scheduler did before it
+    learned to shrink chunks and wait while others progress: for tests of preemption itself."""
+    monkeypatch.setattr(Scheduler, "MAX_DEFER_STEPS", 0)
+    monkeypatch.setattr(Scheduler, "SHRINK_CHUNKS", False)

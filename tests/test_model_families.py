@@ -39,6 +39,7 @@ from sluice.llm import LLM
 from sluice.model.loader import load_model, load_model_config
 from sluice.model.moe import FusedExperts, SparseMoeBlock, fused_experts
 from sluice.sampling_params import SamplingParams
+from sched_utils import no_waiting_for_blocks
 
 VOCAB = 256
 ATOL = 1e-4
@@ -274,7 +275,8 @@ def test_greedy_with_chunked_prefill(setup):
     _drained(setup.chunked)
 
 
-def test_greedy_under_preemption(setup):
+def test_greedy_under_preemption(setup, monkeypatch):
+    no_waiting_for_blocks(monkeypatch)  # this test is about preemption itself
     llm = setup.tight
     before = llm.engine.stats().num_preemptions
     prompts = PROMPTS[:3]

@@ -45,6 +45,7 @@ from sluice.model.moe import SparseMoeBlock
 from sluice.model.registry import model_cache_spec
 from sluice.sampling_params import SamplingParams
 from sluice.server.metrics import ServerMetrics
+from sched_utils import no_waiting_for_blocks
 
 ATOL = 1e-4
 TEXT = dict(
@@ -298,7 +299,8 @@ def test_greedy_with_chunked_prefill(setup):
     _drained(setup.chunked)
 
 
-def test_greedy_under_preemption(setup):
+def test_greedy_under_preemption(setup, monkeypatch):
+    no_waiting_for_blocks(monkeypatch)  # this test is about preemption itself
     llm = setup.tight
     before = llm.engine.stats().num_preemptions
     prompts = PROMPTS[:3]

@@ -26,6 +26,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from sluice.attention import AttentionMetadata
 from sluice.llm import LLM
 from sluice.sampling_params import SamplingParams
+from sched_utils import no_waiting_for_blocks
 
 VOCAB = 512
 ATOL = 1e-4
@@ -256,7 +257,19 @@ def test_greedy_with_chunked_prefill(setup):
     _drained(setup.chunked)
 
 
-def test_greedy_under_preemption(setup):
+def test_greedy_when_blocks_run_short(setup):
+    """The same tight cache with the scheduler's defaults: requests short of a block shrink
+    their chunks or wait while others progress (preempting only when nothing can), and every
+    output still equals the reference."""
+    llm = setup.tight
+    outs = llm.generate(TIGHT_PROMPTS, PARAMS)
+    for prompt, out in zip(TIGHT_PROMPTS, outs):
+        _assert_matches(setup, prompt, out)
+    _drained(llm)
+
+
+def test_greedy_under_preemption(setup, monkeypatch):
+    no_waiting_for_blocks(monkeypatch)  # this test is about preemption itself
     llm = setup.tight
     before = llm.engine.stats().num_preemptions
     outs = llm.generate(TIGHT_PROMPTS, PARAMS)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from sched_utils import (
+    no_waiting_for_blocks,
     EOS,
     TOKEN,
     assert_all_released,
@@ -18,6 +19,7 @@ from sched_utils import (
 )
 from sluice.engine.errors import RequestRejected
 from sluice.engine.request import RequestStatus
+from sluice.engine.scheduler import Scheduler
 
 
 def by_output_index(req) -> int:
@@ -224,6 +226,69 @@ def test_preemption_and_resume():
     assert_all_released(s)
 
 
+def r0_at_a_block_boundary(r1_max_tokens: int):
+    """Five 4-token blocks, all taken after five steps: r0 (first in line) has computed 8 tokens
+    in 2 blocks and needs a third for its next one; r1 has computed 10 in 3 blocks (2 slots left)."""
+    s = create_scheduler(block_size=4, num_blocks=5, retention_ttl_s=0)
+    r0 = create_request(s, "r0", 4, max_tokens=12, ignore_eos=True)
+    s.clock.advance(1)
+    r1 = create_request(s, "r1", 6, max_tokens=r1_max_tokens, ignore_eos=True)
+    for _ in range(5):
+        run_step(s, by_output_index)
+    return s, r0, r1
+
+
+def test_request_short_of_a_block_waits_while_others_progress():
+    """r0 (first in line) reaches a block boundary with no block free while r1 still has a slot in
+    its own blocks: r0 waits a step instead of preempting r1, and r1's finish frees the memory.
+    Preempting at the first shortage would have thrown away r1's computed tokens."""
+    s, r0, r1 = r0_at_a_block_boundary(r1_max_tokens=6)
+    assert s.pool.num_free_blocks == 0 and (r0.num_computed_tokens, r1.num_computed_tokens) == (8, 10)
+    out, _ = run_step(s, by_output_index)     # r0 needs its third block; r1 has slots 11-12
+    assert scheduled_ids(out) == [("r1", 1)] and not out.preempted
+    assert r0.deferred_steps == 1 and r0.status is RequestStatus.RUNNING and r1.is_finished
+    out, _ = run_step(s, by_output_index)     # r1's blocks are free again
+    assert scheduled_ids(out) == [("r0", 1)] and r0.deferred_steps == 0
+    drain(s, by_output_index)
+    assert r0.output_token_ids == [100 + i for i in range(12)]
+    assert r1.output_token_ids == [100 + i for i in range(6)]
+    assert s.num_preemptions == 0
+    assert_all_released(s)
+
+
+def test_waiting_for_a_block_is_bounded(monkeypatch):
+    """The same start with r1 far from done: after MAX_DEFER_STEPS waits, r0 preempts r1."""
+    monkeypatch.setattr(Scheduler, "MAX_DEFER_STEPS", 1)
+    s, r0, r1 = r0_at_a_block_boundary(r1_max_tokens=12)
+    out, _ = run_step(s, by_output_index)
+    assert scheduled_ids(out) == [("r1", 1)] and r0.deferred_steps == 1
+    out, _ = run_step(s, by_output_index)     # r1 still has a slot, but r0 has waited enough
+    assert out.preempted == [r1] and scheduled_ids(out) == [("r0", 1)]
+    drain(s, by_output_index)
+    assert r0.output_token_ids == [100 + i for i in range(12)]
+    assert r1.output_token_ids == [100 + i for i in range(12)]
+    assert s.num_preemptions == 1
+    assert_all_released(s)
+
+
+def test_prefill_chunk_shrinks_to_the_slots_left():
+    """A running prefill whose next chunk needs a block none can give computes what fits in the
+    blocks it holds, instead of preempting or waiting."""
+    s = create_scheduler(block_size=4, num_blocks=6, max_num_batched_tokens=9, retention_ttl_s=0)
+    r0 = create_request(s, "r0", 4, max_tokens=12, ignore_eos=True)
+    r1 = create_request(s, "r1", 20, max_tokens=2, ignore_eos=True)
+    out, _ = run_step(s, by_output_index)
+    assert scheduled_ids(out) == [("r0", 4), ("r1", 5)]
+    out, _ = run_step(s, by_output_index)
+    assert scheduled_ids(out) == [("r0", 1), ("r1", 8)] and s.pool.num_free_blocks == 0
+    out, _ = run_step(s, by_output_index)     # r1's 7 remaining tokens need a 5th block
+    assert scheduled_ids(out) == [("r0", 1), ("r1", 3)] and not out.preempted
+    drain(s, by_output_index)
+    assert r0.output_token_ids == [100 + i for i in range(12)]
+    assert r1.output_token_ids == [100, 101]
+    assert_all_released(s)
+
+
 def test_resumed_request_recomputes_from_the_prefix_cache():
     s = create_scheduler(block_size=4, num_blocks=8)
     create_request(s, "r0", 8, max_tokens=12, ignore_eos=True)
@@ -243,9 +308,10 @@ def test_resumed_request_recomputes_from_the_prefix_cache():
     assert_all_released(s)
 
 
-def test_scheduled_request_is_withdrawn_when_it_is_the_victim():
+def test_scheduled_request_is_withdrawn_when_it_is_the_victim(monkeypatch):
     """Equal priorities: `solo` needs a block that `filler` just took this step; `filler` has less
     progress to lose, so it is withdrawn from the batch and preempted, and both finish."""
+    no_waiting_for_blocks(monkeypatch)  # this test is about preemption itself
     s = create_scheduler(block_size=4, num_blocks=6, retention_ttl_s=0)
     filler = create_request(s, "filler", 8, max_tokens=4, ignore_eos=True)
     solo = create_request(s, "solo", 12, max_tokens=8, ignore_eos=True)

@@ -8,6 +8,7 @@ import math
 import pytest
 
 from sched_utils import (
+    no_waiting_for_blocks,
     assert_all_released,
     create_request,
     create_scheduler,
@@ -376,7 +377,8 @@ def three_decodes(stagger: float):
     return s, reqs
 
 
-def test_victim_is_the_lowest_priority_request():
+def test_victim_is_the_lowest_priority_request(monkeypatch):
+    no_waiting_for_blocks(monkeypatch)  # this test is about preemption itself
     s, (a, b, c) = three_decodes(stagger=1.0)
     out, _ = run_step(s, by_output_index)
     assert out.preempted == [c]                          # the latest arrival, despite its progress
@@ -385,7 +387,8 @@ def test_victim_is_the_lowest_priority_request():
     assert_all_released(s)
 
 
-def test_victim_ties_go_to_least_progress_lost():
+def test_victim_ties_go_to_least_progress_lost(monkeypatch):
+    no_waiting_for_blocks(monkeypatch)  # this test is about preemption itself
     s, (a, b, c) = three_decodes(stagger=0.0)            # equal priorities
     out, _ = run_step(s, by_output_index)
     assert out.preempted == [b]                          # 2 computed tokens, against 8 and 10
@@ -394,9 +397,10 @@ def test_victim_ties_go_to_least_progress_lost():
     assert_all_released(s)
 
 
-def test_victim_may_be_the_request_that_needs_the_block():
+def test_victim_may_be_the_request_that_needs_the_block(monkeypatch):
     """A low-priority decode that needs a block yields itself rather than evict a more important
     request that is still prefilling (and needs no block this step)."""
+    no_waiting_for_blocks(monkeypatch)  # this test is about preemption itself
     s = create_scheduler(block_size=4, num_blocks=4, max_num_batched_tokens=2)
     s.clock.advance(1)
     low = create_request(s, "low", 2, max_tokens=10, ignore_eos=True)
@@ -413,9 +417,10 @@ def test_victim_may_be_the_request_that_needs_the_block():
     assert_all_released(s)
 
 
-def test_resumed_request_is_not_preempted_again_before_progress():
+def test_resumed_request_is_not_preempted_again_before_progress(monkeypatch):
     """`late` yields to `early`, resumes (protected) and needs a block again before sampling:
     this time `early` yields, although it has the better priority and was already scheduled."""
+    no_waiting_for_blocks(monkeypatch)  # this test is about preemption itself
     s = create_scheduler(block_size=4, num_blocks=4, max_num_batched_tokens=4)
     early = create_request(s, "early", 7, max_tokens=7, ignore_eos=True)
     s.clock.advance(1)

@@ -66,6 +66,7 @@ class Request:
         self.state_slot: Optional[int] = None  # hybrid models: recurrent-state slot while running
         self.num_preemptions = 0
         self.protected = False                 # resumed after preemption and made no progress yet
+        self.deferred_steps = 0                # consecutive steps it waited for a block while running
         self.first_token_time: Optional[float] = None
         self.last_token_time: Optional[float] = None
         self.admit_time: Optional[float] = None
