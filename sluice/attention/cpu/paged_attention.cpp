@@ -51,6 +51,7 @@ namespace {
 
 constexpr int kChunk = 64;     // keys per online-softmax step: four 16-key score vectors
 constexpr int kTiles = kChunk / 16;
+static_assert(kTiles == 4, "scores_softmax combines exactly four score tiles per row");
 constexpr int kMaxRows = 96;   // query rows (token x head) per work item
 constexpr int kMaxHeadDim = 128;
 // Below this much work per thread (query rows x keys; ~4 ns each) a step runs on fewer threads:
