@@ -63,6 +63,10 @@ class KVCacheManager:
             req.blocks.extend(self.pool.allocate(need))
         return True
 
+    def num_free_slots(self, req: Request) -> int:
+        """Token slots left in the blocks the request holds, past its computed tokens."""
+        return len(req.blocks) * self.block_size - req.num_computed_tokens
+
     def _num_new_blocks(self, req: Request, num_new_tokens: int, computed) -> int:
         total = req.num_computed_tokens + len(computed) * self.block_size + num_new_tokens
         return self.blocks_for(total) - len(req.blocks) - len(computed)

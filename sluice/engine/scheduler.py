@@ -7,10 +7,10 @@ then newly admitted requests in policy order (their prefix-cache hits count as c
 When blocks run out, retained workflow KV is released first; then a prefill chunk shrinks to
 the slots that remain, and a request that still cannot grow waits (up to `MAX_DEFER_STEPS`
 steps) while another running request can progress in the blocks it has, since calls finishing
-meanwhile free memory (no block is free then, so nothing new is admitted). Only when nothing can
-or the wait is over, is the lowest-priority running request preempted (its blocks freed; it
-recomputes later, from the prefix cache as far as its blocks survive): the one asking may yield
-itself, and one already scheduled this step is withdrawn from the batch. (Under KV pressure,
+meanwhile free memory (no block is free then, so nothing new is admitted). Only when nothing
+can progress, or the wait is over, is the lowest-priority running request preempted (its blocks
+freed; it recomputes later, from the prefix cache as far as its blocks survive): the one asking
+may yield itself, and one already scheduled this step is withdrawn from the batch. (Under KV pressure,
 preempting at the first block shortage threw away ~16k computed tokens per 96-workflow replay.)
 
 Hybrid models (linear-attention layers with a recurrent state) also get a state slot per running
@@ -231,7 +231,7 @@ class Scheduler:
                 deficit = self.kv._num_new_blocks(req, n, ()) - self.pool.num_free_blocks
                 if self.workflows.release_for(deficit, now) > 0:
                     continue
-                fit = (len(req.blocks) + self.pool.num_free_blocks) * self.block_size - req.num_computed_tokens
+                fit = self.kv.num_free_slots(req) + self.pool.num_free_blocks * self.block_size
                 if self.SHRINK_CHUNKS and 0 < fit < n:
                     n = fit  # a shorter chunk
                     continue
@@ -400,8 +400,8 @@ class Scheduler:
     def _others_can_progress(self, req: Request) -> bool:
         """Whether another running request has a free slot in its own blocks (it computes this
         step without taking one), so a step without `req` is not an empty step."""
-        return any(r is not req and r.status is RequestStatus.RUNNING
-                   and len(r.blocks) * self.block_size > r.num_computed_tokens for r in self.running)
+        return any(r is not req and r.status is RequestStatus.RUNNING and self.kv.num_free_slots(r) > 0
+                   for r in self.running)
 
     def _pick_victim(self, now: float) -> Request:
         """Lowest priority running request, the one asking for blocks included (it yields rather

@@ -64,28 +64,12 @@ alignas(64) const float kZeroRow[kMaxHeadDim] = {};  // stands in for keys past 
 
 using sluice_simd::bf16;
 
-// 2^x for x <= 0 (or -inf / NaN in lanes outside `keep`, which come out 0), as in simd.h's exp2_ps
-// but without its clamps, and with a Taylor polynomial of degree kDegree (5: relative error
-// < 3e-6, far below the bf16 rounding of the probabilities; 7: below float32 rounding).
+// 2^x for x <= 0 (or -inf / NaN in lanes outside `keep`, which come out 0): simd.h's exp2_ps
+// without its clamps, with a polynomial of degree kDegree (sluice_simd::exp2_fraction).
 template <int kDegree>
 inline __m512 exp2_nonpositive(__m512 x, __mmask16 keep) {
-  static_assert(kDegree == 5 || kDegree == 7);
   const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(x, n);
-  __m512 y;
-  if constexpr (kDegree == 7) {
-    y = _mm512_set1_ps(1.5252734e-05f);                  // ln2^7 / 7!
-    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(1.5403530e-04f));
-    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(1.3333558e-03f));
-  } else {
-    y = _mm512_set1_ps(1.3333558e-03f);                  // ln2^5 / 5!
-  }
-  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(9.6181291e-03f));
-  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(5.5504109e-02f));
-  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(2.4022651e-01f));
-  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(6.9314718e-01f));
-  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(1.0f));
-  return _mm512_maskz_scalef_ps(keep, y, n);
+  return _mm512_maskz_scalef_ps(keep, sluice_simd::exp2_fraction<kDegree>(_mm512_sub_ps(x, n)), n);
 }
 
 // The maxima of four vectors: lanes 4i .. 4i + 3 of the result all hold max(v[i]).

@@ -9,22 +9,32 @@ namespace sluice_simd {
 
 using bf16 = uint16_t;  // raw bfloat16 bits
 
-// 2^x as 2^round(x) * 2^f with f in [-0.5, 0.5] from a degree-7 Taylor polynomial (truncation
-// error < 1e-8, below float32 rounding). Inputs are clamped to [-127, 127]: below, the result is
-// (near) zero.
-inline __m512 exp2_ps(__m512 x) {
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-127.0f)), _mm512_set1_ps(127.0f));
-  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(x, n);
-  __m512 y = _mm512_set1_ps(1.5252734e-05f);            // ln2^7 / 7!
-  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(1.5403530e-04f));
-  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(1.3333558e-03f));
+// 2^f for f in [-0.5, 0.5] from the Taylor polynomial of degree kDegree (truncation error: 7,
+// < 1e-8, below float32 rounding; 5, < 3e-6, below bf16 rounding).
+template <int kDegree = 7>
+inline __m512 exp2_fraction(__m512 f) {
+  static_assert(kDegree == 5 || kDegree == 7);
+  __m512 y;
+  if constexpr (kDegree == 7) {
+    y = _mm512_set1_ps(1.5252734e-05f);                  // ln2^7 / 7!
+    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(1.5403530e-04f));
+    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(1.3333558e-03f));
+  } else {
+    y = _mm512_set1_ps(1.3333558e-03f);                  // ln2^5 / 5!
+  }
   y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(9.6181291e-03f));
   y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(5.5504109e-02f));
   y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(2.4022651e-01f));
   y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(6.9314718e-01f));
-  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(y, n);
+  return _mm512_fmadd_ps(y, f, _mm512_set1_ps(1.0f));
+}
+
+// 2^x as 2^round(x) * 2^f with f in [-0.5, 0.5] (exp2_fraction, degree 7). Inputs are clamped
+// to [-127, 127]: below, the result is (near) zero.
+inline __m512 exp2_ps(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-127.0f)), _mm512_set1_ps(127.0f));
+  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  return _mm512_scalef_ps(exp2_fraction(_mm512_sub_ps(x, n)), n);
 }
 
 // The first min(n, 16) lanes.
