@@ -2,17 +2,23 @@
 and the results folder it leaves. No speed assertions."""
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import matplotlib.image as mpimg
 import pytest
 
 from server_utils import RemoteServer
+from sluice.bench.client import Endpoint, make_http_client
+from sluice.bench.progress import Progress
+from sluice.bench.run import fetch_model
+from sluice.bench.scenarios import WorkflowRunner
 from sluice.bench.workload import IntRange, RequestTarget, WorkloadConfig, make_workflow, synthetic_bodies
 
 pytestmark = pytest.mark.skipif(
@@ -78,3 +84,30 @@ def test_burst_against_sluice_serve(tmp_path: Path):
     summary = json.loads((out / "manifest.summary.json").read_text())
     assert summary["runs"][0]["calls"] == len(lines)
     assert summary["runs"][0]["prompt_tokens_server"]["count"] == len(lines)
+
+
+def test_the_runner_tells_when_a_workflows_first_call_reached_the_server():
+    """`--admission load` counts a workflow it admitted against the server's room until the
+    workflow's first call is there: the runner says so on that call's first chunk (and once more
+    when the call ends, in case it had none)."""
+    arrivals: list[tuple[int, float, int]] = []
+
+    async def main(base_url: str) -> tuple[WorkflowRunner, bool]:
+        endpoint = Endpoint.from_url(base_url)
+        model = await fetch_model(endpoint)
+        assert model is not None
+        async with make_http_client(1) as http:
+            runner = WorkflowRunner(
+                http, endpoint, _workload(), RequestTarget(model, "arrival"),
+                t0=time.perf_counter(), timeout_s=120, progress=Progress(),
+                on_arrival=lambda i: arrivals.append((i, runner.now(), len(runner.calls))),
+            )
+            rec = await runner.run(5)
+            return runner, rec.completed
+
+    with RemoteServer(["--max-model-len", "2048"]) as server:
+        runner, completed = asyncio.run(main(server.base_url))
+    assert completed and len(runner.calls) == make_workflow(_workload(), 5).num_steps
+    first = runner.calls[0]
+    assert [(i, n) for i, _, n in arrivals] == [(5, 0), (5, 0)]     # during the first call, twice
+    assert first.first_token_time <= arrivals[0][1] <= first.end_time

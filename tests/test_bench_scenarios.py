@@ -129,7 +129,7 @@ def test_load_gate_waits_while_not_accepting():
 def test_waiting_slots_share_one_load_poller():
     """8 slots wait on a server that refuses for 0.2 s: they probe /load about twice per poll
     interval in all (each slot polling on its own would make ~80 probes), then all get in, and
-    each `accepting` answer admits one workflow."""
+    each admission is decided on its own `accepting` answer."""
     t0 = time.perf_counter()
 
     class Refusing:
@@ -143,13 +143,62 @@ def test_waiting_slots_share_one_load_poller():
     probe = Refusing()
     gate = LoadGate(Window(60.0, lambda: 0.0), probe, poll_s=0.02)
 
+    async def slot() -> Optional[int]:
+        index = await gate.admit()
+        assert index is not None
+        gate.arrived(index)           # its first call reached the server at once
+        return index
+
     async def main() -> list[Optional[int]]:
-        return await asyncio.gather(*(gate.admit() for _ in range(8)))
+        return await asyncio.gather(*(slot() for _ in range(8)))
 
     assert sorted(asyncio.run(main())) == list(range(8))
     refusals = probe.calls - 8                     # one accepting answer per admission
     assert 5 <= refusals <= 2 * 0.2 / 0.02 + 4
     assert gate.waits >= 8 * 5                      # every slot waited out the refusals
+    assert gate.pending == set()
+
+
+def test_load_gate_counts_its_own_admissions_until_they_arrive():
+    """The server says it has room for 3 workflows and keeps saying so, since the admitted ones'
+    first calls have not reached it: 8 free slots admit 3, not 8, until one arrives; then the
+    server's answer counts that one and the gate's pending set no longer does."""
+    probe = ScriptedLoad([{"accepting": True, "admissible_workflows": 3}])
+    t0 = time.perf_counter()
+    gate = LoadGate(Window(0.15, lambda: time.perf_counter() - t0), probe, poll_s=0.01)
+
+    async def main() -> list[Optional[int]]:
+        return await asyncio.gather(*(gate.admit() for _ in range(8)))
+
+    got = asyncio.run(main())
+    assert sorted(i for i in got if i is not None) == [0, 1, 2]
+    assert got.count(None) == 5 and gate.pending == {0, 1, 2} and gate.waits > 5
+    gate.arrived(1)
+    gate.window = Window(60.0, lambda: 0.0)
+    gate.window._next = 3
+    assert asyncio.run(gate.admit()) == 3 and gate.pending == {0, 2, 3}
+
+
+def test_load_gate_admits_one_at_a_time_from_a_server_with_only_accepting():
+    probe = ScriptedLoad([{"accepting": True}])
+    t0 = time.perf_counter()
+    gate = LoadGate(Window(0.1, lambda: time.perf_counter() - t0), probe, poll_s=0.01)
+
+    async def main() -> list[Optional[int]]:
+        return await asyncio.gather(*(gate.admit() for _ in range(4)))
+
+    got = asyncio.run(main())
+    assert [i for i in got if i is not None] == [0] and got.count(None) == 3
+    gate.arrived(0)
+    gate.window = Window(60.0, lambda: 0.0)
+    gate.window._next = 1
+    assert asyncio.run(gate.admit()) == 1
+
+
+def test_load_gate_takes_no_room_from_a_server_not_accepting():
+    probe = ScriptedLoad([{"accepting": False, "admissible_workflows": 0}, {"accepting": True, "admissible_workflows": 2}])
+    gate = LoadGate(Window(60.0, lambda: 0.0), probe, poll_s=0.001)
+    assert asyncio.run(gate.admit()) == 0 and gate.waits == 1 and gate.pending == {0}
 
 
 def test_load_gate_falls_back_without_load_endpoint():

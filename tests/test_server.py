@@ -195,8 +195,9 @@ def test_workflow_fields_and_unknown_fields_are_accepted(client: openai.OpenAI, 
 
 def test_load_and_metrics(server: RemoteServer) -> None:
     load = httpx.get(server.url + "/load").json()
-    assert set(load) == {"running", "waiting", "waiting_tokens", "kv_usage", "accepting"}
+    assert set(load) == {"running", "waiting", "waiting_tokens", "kv_usage", "accepting", "admissible_workflows"}
     assert load["accepting"] is True and 0.0 <= load["kv_usage"] <= 1.0
+    assert load["admissible_workflows"] >= 1
     samples = scrape_metrics(server)
     names = {key.partition("{")[0] for key in samples}
     for name in [
@@ -206,9 +207,10 @@ def test_load_and_metrics(server: RemoteServer) -> None:
         "sluice:prefix_cache_hits_total", "sluice:num_preemptions_total", "sluice:prompt_tokens_total",
         "sluice:generation_tokens_total", "sluice:time_to_first_token_seconds_bucket",
         "sluice:inter_token_latency_seconds_bucket", "sluice:e2e_request_latency_seconds_count",
-        "sluice:request_success_total",
+        "sluice:request_success_total", "sluice:accepting_requests", "sluice:admissible_workflows",
     ]:
         assert name in names, name
+    assert metric(samples, "sluice:admissible_workflows") >= 1
     assert metric(samples, "sluice:kv_cache_blocks_total") == 16384 // 16
     assert metric(samples, "sluice:time_to_first_token_seconds_count") > 0
     assert metric(samples, "sluice:generation_tokens_total") > 0

@@ -251,7 +251,8 @@ def test_queue_full_is_429_with_retry_after(auth_server: RemoteServer) -> None:
             await load_until("running", 1, http)
             waiting = asyncio.create_task(http.post("/completions", json=long))
             await load_until("waiting", 1, http)
-            assert (await http.get(auth_server.url + "/load")).json()["accepting"] is False
+            load = (await http.get(auth_server.url + "/load")).json()
+            assert load["accepting"] is False and load["admissible_workflows"] == 0
             refused = await http.post("/completions", json=completion())
             error = assert_openai_error(refused, 429, code="rate_limit_exceeded")
             assert error["type"] == "rate_limit_error"

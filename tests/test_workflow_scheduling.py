@@ -517,23 +517,68 @@ def test_under_pressure_the_victim_is_the_resident_call_with_least_service():
 def test_new_workflows_are_welcome_only_with_room_for_a_typical_call():
     """40 blocks of 16 tokens. A typical call starts at min(1k tokens, an eighth of the cache) = 5
     blocks and follows finished calls (moving average); `accepting` needs that many blocks beyond
-    what running calls will grow into and what waiting calls need. These calls are each their
-    workflow's last, so no further calls are reserved for (see the next test)."""
+    what calls, running or waiting, will grow into up to their max_tokens. These calls are each
+    their workflow's last, so no further calls are reserved for (see the next test)."""
     s = create_scheduler(num_blocks=40, retention_ttl_s=100.0)
     assert s.typical_call_blocks == 5 and s.kv_headroom() == 40 and s.accepting()
-    # Two running calls that will each grow to 16 blocks (100 + 156 tokens).
+    # Two calls that will each grow to 16 blocks (100 + 156 tokens).
     a = create_request(s, "a", 100, max_tokens=156, workflow_id="wf-a", is_last_step=True)
     b = create_request(s, "b", 100, max_tokens=156, workflow_id="wf-b", is_last_step=True)
-    assert s.kv_headroom() == 40 - 2 * 7                # waiting: their prompts' 7 blocks each
+    assert s.kv_headroom() == 40 - 2 * 16               # waiting: up to max_tokens already
     run_step(s)
-    assert s.kv_headroom() == 40 - 2 * 16              # running: up to max_tokens
-    assert s.accepting()                               # 8 >= 5
-    create_request(s, "c", 100, max_tokens=28, workflow_id="wf-c", is_last_step=True)  # 7 blocks waiting
-    assert s.kv_headroom() == 1 and not s.accepting() and not s.stats().accepting
+    assert len(a.blocks) == 7 and len(b.blocks) == 7
+    assert s.kv_headroom() == 40 - 2 * 16               # running: the same, held or to come
+    assert s.accepting() and s.admissible_workflows() == 1   # 8 >= 5, and not two of 5 + growth
+    create_request(s, "c", 100, max_tokens=20, workflow_id="wf-c", is_last_step=True)  # 8 blocks at most
+    assert s.kv_headroom() == 0 and not s.accepting() and not s.stats().accepting
+    assert s.admissible_workflows() == 0 and s.stats().admissible_workflows == 0
     drain(s)
     assert s.workflows.num_retained_blocks == 0 and s.kv_headroom() == 40 and s.accepting()
     # The average moved towards the finished calls' sizes (16, 16 and 8 blocks).
     assert s.typical_call_blocks > 5
+    assert_all_released(s)
+
+
+def test_admissible_workflows_counts_what_each_new_workflow_will_reserve():
+    """`admissible_workflows` is how many new workflows fit the headroom one after another: the
+    first needs a typical call's blocks, each one after it what a workflow reserves once in (its
+    call to max_tokens plus its growth, at least a typical final size). Admitting that many
+    typical first calls leaves the server not accepting, and one fewer leaves it accepting."""
+    s = create_scheduler(num_blocks=400, retention_ttl_s=100.0)
+    call, g, final = s.typical_call_blocks, s.typical_growth_blocks, s.typical_final_blocks
+    assert (call, g, final) == (50, 25, 50)
+    per = max(call + g, final)                          # 75
+    assert s.admissible_workflows() == 1 + (400 - call) // per == 5
+    assert s.stats().admissible_workflows == 5 and s.stats().accepting
+    # Typical first calls (50 blocks to max_tokens, more calls to come) arrive one by one.
+    for i in range(5):
+        assert s.accepting()
+        create_request(s, f"w{i}", 16 * 40, max_tokens=16 * 10, workflow_id=f"wf-{i}")
+        assert s.kv_headroom() == 400 - (i + 1) * per
+    assert s.kv_headroom() == 25 and not s.accepting() and s.admissible_workflows() == 0
+    run_step(s)                                         # admitted: the reservation does not change
+    assert s.kv_headroom() == 25 and s.admissible_workflows() == 0
+    drain(s)
+    assert_all_released(s)
+
+
+def test_admissible_workflows_respects_the_queue_and_sequence_bounds():
+    s = create_scheduler(num_blocks=4000, max_waiting_requests=3, max_num_seqs=4)
+    assert s.admissible_workflows() == 3                # the queue takes 3 more
+    create_request(s, "a", 10, max_tokens=3)
+    assert s.admissible_workflows() == 2
+    create_request(s, "b0", 10, max_tokens=3)
+    create_request(s, "b1", 10, max_tokens=3)
+    assert s.admissible_workflows() == 0 and not s.accepting()
+    run_step(s)                                         # all three run: one sequence slot left
+    assert len(s.running) == 3 and s.admissible_workflows() == 1
+    create_request(s, "c", 10, max_tokens=3)
+    run_step(s)                                         # the table is full, nothing waits
+    assert len(s.running) == 4 and s.admissible_workflows() == 1
+    create_request(s, "d", 10, max_tokens=3)            # waits for a sequence slot
+    assert s.admissible_workflows() == 0
+    drain(s)
+    assert s.admissible_workflows() == 3
     assert_all_released(s)
 
 

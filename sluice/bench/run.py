@@ -146,6 +146,7 @@ async def run_once(
             if spec.admission == "load":
                 gate = LoadGate(window, load_probe(http, endpoint))
                 admission = gate
+                runner.on_arrival = gate.arrived
             target_text = ""
         display = asyncio.create_task(progress.display(t0, target=target_text, stream=live, every_s=live_every_s)) if live else None
         try:

@@ -10,8 +10,9 @@ the policy:
   open; work admitted before it closes then drains. Both engines get the same first workflows;
   a faster engine admits more.
 - sustained with `LoadGate`: like `Window`, but before each admission polls the server's
-  `GET /load` and waits while it reports `accepting: false`. A server without `/load` (vLLM)
-  makes the gate fall back to the plain closed loop for the rest of the run.
+  `GET /load` and waits while it has no room for another workflow (`accepting: false`, or as
+  many workflows admitted and not yet arrived as it said it had room for). A server without
+  `/load` (vLLM) makes the gate fall back to the plain closed loop for the rest of the run.
 """
 from __future__ import annotations
 
@@ -91,46 +92,67 @@ LoadProbe = Callable[[], Awaitable[Optional[dict[str, Any]]]]
 
 class LoadGate:
     """Sustained with server feedback: a `Window` that admits only while the server's `/load`
-    says `accepting`. `probe()` returns the parsed `/load` document or None when there is none;
-    the first None makes the gate a plain `Window` for good (`available` becomes False).
+    has room for another workflow. `probe()` returns the parsed `/load` document or None when
+    there is none; the first None makes the gate a plain `Window` for good (`available` becomes
+    False).
 
-    The slots share one poller, as a router in front of the server would: while the server is
-    not accepting, `/load` is asked about twice per `poll_s` however many slots wait (32 slots
-    each polling at 10 Hz put ~320 HTTP requests a second on the server being measured, on the
-    same two cores), and an `accepting` answer admits one workflow: the next slot asks again."""
+    The room is `admissible_workflows` (how many new workflows the server welcomes now; a server
+    with only `accepting` gives one while it accepts), less the workflows this gate admitted
+    whose first call has not reached the server yet (`pending`, until `arrived(index)`): the
+    server cannot count those, and admitting on every `accepting` answer meanwhile let 20 slots
+    in within 0.1 s over HTTP, where the in-process replay (which sees its admissions at once)
+    never did.
+
+    The slots share one poller, as a router in front of the server would: while there is no
+    room, `/load` is asked about twice per `poll_s` however many slots wait (32 slots each
+    polling at 10 Hz put ~320 HTTP requests a second on the server being measured, on the same
+    two cores), and each admission is decided on a fresh answer."""
 
     def __init__(self, window: Window, probe: LoadProbe, poll_s: float = 0.1):
         self.window = window
         self.probe = probe
         self.poll_s = poll_s
         self.available: Optional[bool] = None   # unknown until the first probe
-        self.waits = 0                          # times a slot waited: the server was not accepting
+        self.waits = 0                          # times a slot waited: no room
+        self.pending: set[int] = set()          # admitted; first call not yet at the server
         self._lock = asyncio.Lock()
-        self._refused_at: Optional[float] = None   # when the last probe said not accepting
+        self._refused_at: Optional[float] = None   # when the last probe found no room
 
-    async def _accepting(self) -> Optional[bool]:
-        """True/False from a probe, or from a `not accepting` less than half a `poll_s` old (a
-        slot that slept `poll_s` after a refusal asks again); None when the server has no
-        `/load`. At most ~2 probes per `poll_s` while the server refuses."""
-        async with self._lock:
-            now = time.monotonic()
-            if self._refused_at is not None and now - self._refused_at < self.poll_s / 2:
-                return False
-            load = await self.probe()
-            if load is None or not isinstance(load.get("accepting"), bool):
-                return None
-            self._refused_at = None if load["accepting"] else time.monotonic()
-            return load["accepting"]
+    def arrived(self, index: int) -> None:
+        """Workflow `index`'s first call reached the server (its first chunk came back, or it
+        ended): the server's `/load` counts it from now on."""
+        self.pending.discard(index)
+
+    async def _room(self) -> Optional[int]:
+        """New workflows the server has room for, less `pending`; a refusal less than half a
+        `poll_s` old stands (a slot that slept `poll_s` after one asks again). None when the
+        server has no `/load`. At most ~2 probes per `poll_s` while there is no room."""
+        now = time.monotonic()
+        if self._refused_at is not None and now - self._refused_at < self.poll_s / 2:
+            return 0
+        load = await self.probe()
+        if load is None or not isinstance(load.get("accepting"), bool):
+            return None
+        room = load.get("admissible_workflows")
+        if not isinstance(room, int) or isinstance(room, bool):
+            room = 1                            # a server that only says yes or no
+        room = room - len(self.pending) if load["accepting"] else 0
+        self._refused_at = None if room > 0 else time.monotonic()
+        return room
 
     async def admit(self) -> Optional[int]:
         while self.window.is_open and self.available is not False:
-            accepting = await self._accepting()
-            if accepting is None:
-                self.available = False
-                break
-            self.available = True
-            if accepting:
-                break
+            async with self._lock:
+                room = await self._room()
+                if room is None:
+                    self.available = False
+                    break
+                self.available = True
+                if room > 0:
+                    index = await self.window.admit()
+                    if index is not None:
+                        self.pending.add(index)
+                    return index
             self.waits += 1
             await asyncio.sleep(self.poll_s)
         return await self.window.admit()
@@ -177,7 +199,10 @@ class WorkflowRunner:
         timeout_s: float,
         progress: Progress,
         keep_bodies: bool = False,
+        on_arrival: Optional[Callable[[int], None]] = None,
     ):
+        """`on_arrival(index)` is told when workflow `index`'s first call reached the server (its
+        first chunk came back, or the call ended without one)."""
         self.http = http
         self.endpoint = endpoint
         self.workload = workload
@@ -186,6 +211,7 @@ class WorkflowRunner:
         self.timeout_s = timeout_s
         self.progress = progress
         self.keep_bodies = keep_bodies
+        self.on_arrival = on_arrival
         self.system = system_prompt(workload)
         self.calls: list[CallRecord] = []
         self.bodies: list[SentBody] = []
@@ -205,10 +231,15 @@ class WorkflowRunner:
                 self.bodies.append(SentBody(index, j, headers, body))
             call = CallRecord(workflow_index=index, step_index=j, max_tokens=step.output_tokens, send_time=0.0)
             self.progress.in_flight += 1
+            on_chunk = self.progress.add_tokens
+            if j == 0 and self.on_arrival is not None:
+                on_chunk = self._first_chunk_tells(index, on_chunk)
             await stream_chat(
                 self.http, self.endpoint, body, call,
-                t0=self.t0, timeout_s=self.timeout_s, headers=headers, on_chunk=self.progress.add_tokens,
+                t0=self.t0, timeout_s=self.timeout_s, headers=headers, on_chunk=on_chunk,
             )
+            if j == 0 and self.on_arrival is not None:
+                self.on_arrival(index)
             self.progress.in_flight -= 1
             self.calls.append(call)
             rec.calls += 1
@@ -225,6 +256,21 @@ class WorkflowRunner:
         rec.completed = True
         self.progress.completed += 1
         return rec
+
+    def _first_chunk_tells(self, index: int, on_chunk: Callable[[int], None]) -> Callable[[int], None]:
+        assert self.on_arrival is not None
+        tell = self.on_arrival
+
+        told = False
+
+        def chunk(n: int) -> None:
+            nonlocal told
+            if not told:
+                told = True
+                tell(index)
+            on_chunk(n)
+
+        return chunk
 
 
 def load_probe(http: httpx.AsyncClient, endpoint: Endpoint) -> LoadProbe:

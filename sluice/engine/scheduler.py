@@ -132,35 +132,66 @@ class Scheduler:
 
     def accepting(self) -> bool:
         """Whether a new workflow is welcome now (`GET /load`); calls are still accepted either way,
-        up to the waiting-queue bounds. Not when the queue is at a bound, when calls wait for a
-        sequence slot, or when the KV cache cannot take one more call of typical size on top of
-        the working set of the workflows already admitted (`kv_headroom`): a workflow admitted
-        then would only displace the KV of those already running or waiting on a tool."""
+        up to the waiting-queue bounds. See `admissible_workflows`."""
+        return self.admissible_workflows() > 0
+
+    def admissible_workflows(self) -> int:
+        """How many new workflows are welcome now (`GET /load`): none when the waiting queue is at
+        a bound, when calls wait for a sequence slot, or when the KV cache cannot take one more
+        call of typical size on top of the working set of the workflows already admitted
+        (`kv_headroom`): a workflow admitted then would only displace the KV of those already
+        running or waiting on a tool. Otherwise as many as fit one after another, each taking
+        what a typical workflow reserves once it is in (its call up to max_tokens and its growth
+        to a typical final size).
+
+        A count, not a yes/no, because a router (or `sluice bench --admission load`) cannot see
+        its own admissions in `/load` until their calls arrive: admitting on every `accepting`
+        answer meanwhile lets a burst of slots in at once (measured: 20 workflows in 0.1 s over
+        HTTP, whose follow-up calls then lost their retained KV and waited 12-14 s)."""
         c = self.config
-        if c.max_waiting_requests is not None and len(self.waiting) >= c.max_waiting_requests:
-            return False
+        n = math.inf
+        if c.max_waiting_requests is not None:
+            n = c.max_waiting_requests - len(self.waiting)
         if c.max_waiting_tokens is not None and self.num_waiting_tokens >= c.max_waiting_tokens:
-            return False
-        if len(self.running) >= self.config.max_num_seqs and self.waiting:
-            return False
-        return self.kv_headroom() >= self.typical_call_blocks
+            n = 0
+        if len(self.running) >= c.max_num_seqs and self.waiting:
+            n = 0
+        else:
+            n = min(n, max(1, c.max_num_seqs - len(self.running) - len(self.waiting)))
+        call = self.typical_call_blocks
+        headroom = self.kv_headroom()
+        if n <= 0 or headroom < call:
+            return 0
+        per_workflow = max(call + self.typical_growth_blocks, self.typical_final_blocks)
+        return int(min(n, 1 + (headroom - call) // per_workflow))
 
     def kv_headroom(self) -> int:
-        """Blocks free (or evictable) beyond the admitted workflows' working set: what running
-        calls need to reach their max_tokens, what waiting calls need, and, for each workflow
-        that will call again (retained between calls, or running a call not marked its last
-        step), what it still lacks of a typical workflow's final size, and at least a typical
-        call's growth. Without that last term the cache looks roomy exactly while the admitted
-        workflows are between calls or early in their lives, and a workflow admitted then
-        evicts their KV later (measured with benchmarks/engine_replay.py under pressure: prefix
-        hits 63.9% -> 67.7% of an ideal 72.4%, preemptions 39 -> 20, +7.6% throughput)."""
+        """Blocks free (or evictable) beyond the admitted workflows' working set: what each call,
+        running or waiting, needs to reach its max_tokens beyond the blocks it holds (a waiting
+        call: beyond its workflow's retained prefix), and, for each workflow that will call again
+        (retained between calls, or with a call not marked its last step), what it still lacks
+        of a typical workflow's final size, and at least a typical call's growth. Without that
+        last term the cache looks roomy exactly while the admitted workflows are between calls
+        or early in their lives, and a workflow admitted then evicts their KV later (measured
+        with benchmarks/engine_replay.py under pressure: prefix hits 63.9% -> 67.7% of an ideal
+        72.4%, preemptions 39 -> 20, +7.6% throughput). A waiting call counts like a running one:
+        a new workflow's first call is in the working set from the moment it arrives."""
         final, g = self.typical_final_blocks, self.typical_growth_blocks
-        reserved = sum(self.kv.blocks_for(r.num_tokens_to_compute) for r in self.waiting)
+        reserved = 0
         for r in self.running:
             at_max = self.kv.blocks_for(r.max_total_tokens)
             reserved += max(0, at_max - len(r.blocks))
             if r.has_named_workflow and not r.is_last_step:
                 reserved += max(g, final - at_max)
+        for r in self.waiting:
+            at_max = self.kv.blocks_for(r.max_total_tokens)
+            wf = self.workflows.workflows.get(r.workflow_id)
+            if wf is not None and wf.retention is not None:
+                reserved += max(0, at_max - len(wf.retention.blocks))  # its growth: below
+            else:
+                reserved += at_max
+                if r.has_named_workflow and not r.is_last_step:
+                    reserved += max(g, final - at_max)
         for wf in self.workflows.workflows.values():
             if wf.retention is not None:
                 reserved += max(g, final - len(wf.retention.blocks))
@@ -540,6 +571,7 @@ class Scheduler:
         evictable = self.pool.num_evictable_blocks
         used = self.pool.num_blocks - free - retained
         st = self.states
+        admissible = self.admissible_workflows()
         return EngineStats(
             num_running=len(self.running),
             num_waiting=len(self.waiting),
@@ -558,7 +590,8 @@ class Scheduler:
             prompt_tokens_total=self.prompt_tokens_total,
             generation_tokens_total=self.generation_tokens_total,
             num_workflows=len(self.workflows.workflows),
-            accepting=self.accepting(),
+            accepting=admissible > 0,
+            admissible_workflows=admissible,
             state_slots_total=st.layout.num_seq_slots if st else 0,
             state_slots_used=st.num_held if st else 0,
             state_snapshots_total=st.layout.num_snapshots if st else 0,

@@ -219,6 +219,7 @@ def build_app(
         return LoadInfo(
             running=s.num_running, waiting=s.num_waiting, waiting_tokens=s.num_waiting_tokens,
             kv_usage=s.kv_usage, accepting=s.accepting and lifecycle.accepting,
+            admissible_workflows=s.admissible_workflows if lifecycle.accepting else 0,
         )
 
     metrics_auth = auth if server_config.metrics_require_auth else []

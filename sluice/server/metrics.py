@@ -74,6 +74,8 @@ class _EngineStatsCollector(Collector):
                           s.state_snapshots_used)
         yield self._gauge("sluice:accepting_requests", "1 when admission control accepts new work.",
                           1.0 if s.accepting else 0.0)
+        yield self._gauge("sluice:admissible_workflows", "New workflows admission control welcomes now.",
+                          float(s.admissible_workflows))
         yield self._counter("sluice:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
                             s.prefix_cache_queries)
         yield self._counter("sluice:prefix_cache_hits", "Prompt tokens served by the prefix cache.",

@@ -402,3 +402,6 @@ class LoadInfo(BaseModel):
     waiting_tokens: int
     kv_usage: float
     accepting: bool
+    # How many new workflows are welcome now (0 unless accepting). A router admitting on this
+    # should count its own admissions whose calls have not reached the server yet against it.
+    admissible_workflows: int
