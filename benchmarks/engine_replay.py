@@ -119,12 +119,13 @@ def main() -> None:
                 slots += 1
     wall = time.monotonic() - t0
     q = statistics.quantiles(ttft, n=10)
+    q99 = statistics.quantiles(ttft, n=100)[98]
     print(f"{args.workflows} workflows, concurrency {args.concurrency}, budget {args.max_num_batched_tokens}, "
           f"policy {args.policy}, backend {args.backend}, admission {args.admission}, "
           f"KV {eng.scheduler.pool.num_blocks * eng.scheduler.block_size} tokens")
     print(f"wall {wall:.1f} s, output tokens {out_tokens}, aggregate {out_tokens / wall:.1f} tok/s, "
           f"generation speed p50 {statistics.median(speed):.1f} tok/s, TTFT p50 {statistics.median(ttft):.2f} s "
-          f"p90 {q[8]:.2f} s")
+          f"p90 {q[8]:.2f} s p99 {q99:.2f} s")
     st = eng.stats()
     print(f"prefix cache: {st.prefix_cache_hits / max(1, st.prefix_cache_queries):.1%} of prompt tokens hit, "
           f"{st.num_preemptions} preemptions")

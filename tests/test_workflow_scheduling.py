@@ -20,6 +20,7 @@ from sched_utils import (
 )
 from sluice.engine.errors import RequestRejected
 from sluice.engine.request import RequestStatus
+from sluice.engine.scheduler import Scheduler
 
 
 def by_output_index(req) -> int:
@@ -637,6 +638,44 @@ def test_the_headroom_reserves_what_an_admitted_workflow_will_grow_to():
     assert s.kv_headroom() == 400 - 7 - (46 - 7)
     s.workflows.release(s.workflows.workflows["wf-a"])
     assert s.kv_headroom() == 400
+    assert_all_released(s)
+
+
+def test_prefill_backlog_counts_prompt_tokens_still_to_compute():
+    """Running calls' prefill remainders plus waiting calls' prompts beyond their prefix hits;
+    decodes count nothing."""
+    s = create_scheduler(max_num_batched_tokens=64, retention_ttl_s=100.0)
+    shared = unique_prompt(48)
+    a = create_request(s, "a", shared + unique_prompt(52), max_tokens=4, ignore_eos=True)   # 100 tokens
+    assert s.prefill_backlog() == 100
+    run_step(s)                                          # a computes 64 of its 100
+    assert a.num_computed_tokens == 64 and s.prefill_backlog() == 36
+    run_step(s)                                          # the rest: a decodes now
+    assert a.is_decode and s.prefill_backlog() == 0
+    b = create_request(s, "b", shared + unique_prompt(30), max_tokens=4)   # 3 of its blocks cached
+    assert s.prefill_backlog() == 78 - 3 * 16
+    drain(s)
+    assert s.prefill_backlog() == 0
+    assert_all_released(s)
+
+
+def test_no_new_workflows_while_the_prefill_backlog_fills_two_steps(monkeypatch):
+    """Past `ADMIT_BACKLOG_STEPS` token budgets of prompt tokens waiting, a new workflow would
+    only queue behind them (and put every call after it further back): `accepting` is false
+    however much KV is free, and comes back as the backlog is computed."""
+    s = create_scheduler(max_num_batched_tokens=100, num_blocks=4000)
+    assert s.ADMIT_BACKLOG_STEPS == 2.0
+    create_request(s, "a", 150, max_tokens=4, ignore_eos=True)
+    assert s.accepting() and s.admissible_workflows() > 1
+    create_request(s, "b", 50, max_tokens=4, ignore_eos=True)
+    assert s.prefill_backlog() == 200 and not s.accepting() and s.admissible_workflows() == 0
+    run_step(s)                                          # 100 computed: 100 left
+    assert s.prefill_backlog() == 100 and s.accepting()
+    monkeypatch.setattr(Scheduler, "ADMIT_BACKLOG_STEPS", 0.5)
+    assert not s.accepting()
+    monkeypatch.setattr(Scheduler, "ADMIT_BACKLOG_STEPS", None)
+    assert s.accepting()
+    drain(s)
     assert_all_released(s)
 
 

@@ -77,6 +77,10 @@ class Scheduler:
     MAX_DEFER_STEPS = 8
     # Whether a running prefill short of blocks computes the part that fits before anything else.
     SHRINK_CHUNKS = True
+    # New workflows are not welcome while this many steps' token budgets of prompt tokens wait
+    # to be computed (None: no such bound). Past it every step is already full of prefill, so
+    # a workflow admitted then adds no throughput, only queueing for every call behind it.
+    ADMIT_BACKLOG_STEPS: Optional[float] = 2.0
 
     def __init__(self, config: SchedulerConfig, cache: CacheConfig, num_blocks: int,
                  clock: Callable[[], float] = time.monotonic, state: Optional[StateLayout] = None,
@@ -158,12 +162,24 @@ class Scheduler:
             n = 0
         else:
             n = min(n, max(1, c.max_num_seqs - len(self.running) - len(self.waiting)))
+        if n > 0 and self.ADMIT_BACKLOG_STEPS is not None:
+            if self.prefill_backlog() >= self.ADMIT_BACKLOG_STEPS * c.max_num_batched_tokens:
+                n = 0
         call = self.typical_call_blocks
         headroom = self.kv_headroom()
         if n <= 0 or headroom < call:
             return 0
         per_workflow = max(call + self.typical_growth_blocks, self.typical_final_blocks)
         return int(min(n, 1 + (headroom - call) // per_workflow))
+
+    def prefill_backlog(self) -> int:
+        """Prompt tokens still to compute: running calls' prefill remainders and waiting calls'
+        prompts beyond their prefix-cache hits. What a call arriving now queues behind (in FCFS
+        order; the workflow policy puts a new workflow's first call near the front)."""
+        backlog = sum(r.num_tokens - r.num_computed_tokens for r in self.running if not r.is_decode)
+        for r in self.waiting:
+            backlog += max(0, r.num_tokens - len(self._computed_blocks(r)) * self.block_size)
+        return backlog
 
     def kv_headroom(self) -> int:
         """Blocks free (or evictable) beyond the admitted workflows' working set: what each call,
