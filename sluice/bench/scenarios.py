@@ -233,7 +233,7 @@ class WorkflowRunner:
             self.progress.in_flight += 1
             on_chunk = self.progress.add_tokens
             if j == 0 and self.on_arrival is not None:
-                on_chunk = self._first_chunk_tells(index, on_chunk)
+                on_chunk = self._first_chunk_tells(self.on_arrival, index, on_chunk)
             await stream_chat(
                 self.http, self.endpoint, body, call,
                 t0=self.t0, timeout_s=self.timeout_s, headers=headers, on_chunk=on_chunk,
@@ -257,10 +257,9 @@ class WorkflowRunner:
         self.progress.completed += 1
         return rec
 
-    def _first_chunk_tells(self, index: int, on_chunk: Callable[[int], None]) -> Callable[[int], None]:
-        assert self.on_arrival is not None
-        tell = self.on_arrival
-
+    @staticmethod
+    def _first_chunk_tells(tell: Callable[[int], None], index: int,
+                           on_chunk: Callable[[int], None]) -> Callable[[int], None]:
         told = False
 
         def chunk(n: int) -> None:

@@ -153,24 +153,22 @@ class Scheduler:
         answer meanwhile lets a burst of slots in at once (measured: 20 workflows in 0.1 s over
         HTTP, whose follow-up calls then lost their retained KV and waited 12-14 s)."""
         c = self.config
-        n = math.inf
-        if c.max_waiting_requests is not None:
-            n = c.max_waiting_requests - len(self.waiting)
         if c.max_waiting_tokens is not None and self.num_waiting_tokens >= c.max_waiting_tokens:
-            n = 0
+            return 0
         if len(self.running) >= c.max_num_seqs and self.waiting:
-            n = 0
-        else:
-            n = min(n, max(1, c.max_num_seqs - len(self.running) - len(self.waiting)))
-        if n > 0 and self.ADMIT_BACKLOG_STEPS is not None:
-            if self.prefill_backlog() >= self.ADMIT_BACKLOG_STEPS * c.max_num_batched_tokens:
-                n = 0
+            return 0
+        if (self.ADMIT_BACKLOG_STEPS is not None
+                and self.prefill_backlog() >= self.ADMIT_BACKLOG_STEPS * c.max_num_batched_tokens):
+            return 0
         call = self.typical_call_blocks
         headroom = self.kv_headroom()
-        if n <= 0 or headroom < call:
+        if headroom < call:
             return 0
-        per_workflow = max(call + self.typical_growth_blocks, self.typical_final_blocks)
-        return int(min(n, 1 + (headroom - call) // per_workflow))
+        n = 1 + (headroom - call) // max(call + self.typical_growth_blocks, self.typical_final_blocks)
+        n = min(n, max(1, c.max_num_seqs - len(self.running) - len(self.waiting)))
+        if c.max_waiting_requests is not None:
+            n = min(n, c.max_waiting_requests - len(self.waiting))
+        return max(0, n)
 
     def prefill_backlog(self) -> int:
         """Prompt tokens still to compute: running calls' prefill remainders and waiting calls'
@@ -587,7 +585,6 @@ class Scheduler:
         evictable = self.pool.num_evictable_blocks
         used = self.pool.num_blocks - free - retained
         st = self.states
-        admissible = self.admissible_workflows()
         return EngineStats(
             num_running=len(self.running),
             num_waiting=len(self.waiting),
@@ -606,8 +603,7 @@ class Scheduler:
             prompt_tokens_total=self.prompt_tokens_total,
             generation_tokens_total=self.generation_tokens_total,
             num_workflows=len(self.workflows.workflows),
-            accepting=admissible > 0,
-            admissible_workflows=admissible,
+            admissible_workflows=self.admissible_workflows(),
             state_slots_total=st.layout.num_seq_slots if st else 0,
             state_slots_used=st.num_held if st else 0,
             state_snapshots_total=st.layout.num_snapshots if st else 0,

@@ -23,13 +23,16 @@ class EngineStats:
     prompt_tokens_total: int    # computed prompt tokens (cumulative)
     generation_tokens_total: int
     num_workflows: int          # workflows with state in the engine
-    accepting: bool             # whether new work is welcome (admission control)
-    admissible_workflows: int = 0    # how many new workflows are welcome now (0 unless accepting)
+    admissible_workflows: int   # how many new workflows are welcome now (admission control)
     # Hybrid models' recurrent-state slots (all 0 for models without recurrent layers).
     state_slots_total: int = 0       # sequence slots (= max_num_seqs)
     state_slots_used: int = 0        # held by running requests
     state_snapshots_total: int = 0   # snapshot slots for the prefix cache
     state_snapshots_used: int = 0    # holding a snapshot (committed or being written)
+
+    @property
+    def accepting(self) -> bool:
+        return self.admissible_workflows > 0
 
     @property
     def kv_usage(self) -> float:
