@@ -109,6 +109,9 @@ class LlamaForCausalLM(nn.Module):
     # (old, new) substrings applied to checkpoint names before matching, for families whose
     # checkpoints spell a module differently (Mixtral's block_sparse_moe.experts.<e>.w1 ...).
     _RENAMES: tuple[tuple[str, str], ...] = ()
+    # The layer loop of `forward` as one compiled call, set by `use_cpu_kernels` when every layer
+    # fits it (sluice/model/compiled_stack.py); None: the Python loop.
+    compiled_stack = None
 
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend) -> None:
         super().__init__()
@@ -135,6 +138,9 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
         x = self.embed_tokens(input_ids)                                     # [T, hidden]
+        stack = self.compiled_stack
+        if stack is not None and stack.supports(x, positions, kv_caches, meta):
+            return stack(x, positions, kv_caches, meta)                      # the loop below, in C++
         residual = None
         for layer, kv in zip(self.layers, kv_caches):
             x, residual = layer(positions, x, residual, kv, meta)

@@ -89,13 +89,23 @@ class PackedLinear(nn.Module):
 
 def use_cpu_kernels(model: nn.Module) -> int:
     """Move a bfloat16 model onto the compiled CPU kernels: packed linears (below), fused RMSNorm
-    and rotary. Needs the cpu backend's extension, already loaded. Returns the linears packed."""
+    and rotary, and, when every layer fits it, the whole decoder stack as one call
+    (sluice/model/compiled_stack.py). Needs the cpu backend's extension, already loaded. Returns
+    the linears packed."""
+    from sluice.model.compiled_stack import CompiledDecoderStack, unsupported_reason
     from sluice.model.layers import RMSNorm, RotaryEmbedding
 
     for module in model.modules():
         if isinstance(module, (RMSNorm, RotaryEmbedding)):
             module.fused = True
-    return pack_linear_layers(model)
+    swapped = pack_linear_layers(model)
+    reason = unsupported_reason(model)
+    if reason is None:
+        model.compiled_stack = CompiledDecoderStack(model)
+        logger.info("decoder layers run as one compiled call")
+    else:
+        logger.info("decoder layers run in Python: %s", reason)
+    return swapped
 
 
 def pack_linear_layers(model: nn.Module) -> int:

@@ -20,7 +20,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("paged_attention.cpp")
-SOURCES = (SOURCE, Path(__file__).with_name("linear.cpp"), Path(__file__).with_name("fused.cpp"))
+SOURCES = (SOURCE, *(Path(__file__).with_name(n) for n in ("linear.cpp", "fused.cpp", "stack.cpp")))
 BUILD_ROOT = Path.home() / ".cache" / "sluice" / "torch_extensions"
 REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
 CFLAGS = ["-O3", "-march=native", "-std=c++20", "-fopenmp"]

@@ -18,6 +18,7 @@
 
 #include <immintrin.h>
 
+#include "ops.h"
 #include "simd.h"
 
 #include <cmath>
@@ -192,6 +193,20 @@ at::Tensor argmax_rows(const at::Tensor& logits) {
 }
 
 }  // namespace
+
+// The entry points other kernels call directly (stack.cpp); the registered ops are the same functions.
+namespace sluice_ops {
+
+std::tuple<at::Tensor, at::Tensor> rms_norm(const at::Tensor& x, const c10::optional<at::Tensor>& residual,
+                                            const at::Tensor& weight, double eps) {
+  return ::rms_norm(x, residual, weight, eps);
+}
+
+void rotary_(at::Tensor q, at::Tensor k, const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin) {
+  ::rotary_(std::move(q), std::move(k), positions, cos, sin);
+}
+
+}  // namespace sluice_ops
 
 TORCH_LIBRARY_FRAGMENT(sluice, m) {
   m.def("argmax_rows(Tensor logits) -> Tensor", &argmax_rows);

@@ -28,6 +28,7 @@
 
 #include <immintrin.h>
 
+#include "ops.h"
 #include "simd.h"
 
 #include <cstdint>
@@ -168,6 +169,10 @@ const float* bias_ptr(const c10::optional<at::Tensor>& bias, int64_t n) {
   return bias->data_ptr<float>();
 }
 
+}  // namespace
+
+namespace sluice_ops {
+
 at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t n, const c10::optional<at::Tensor>& bias) {
   const int64_t k = x.size(1);
   check_common(x, packed, n, k);
@@ -186,9 +191,9 @@ at::Tensor linear_bf16_silu_mul(const at::Tensor& x, const at::Tensor& packed, i
   return y;
 }
 
-}  // namespace
+}  // namespace sluice_ops
 
 TORCH_LIBRARY_FRAGMENT(sluice, m) {
-  m.def("linear_bf16(Tensor x, Tensor packed, int n, Tensor? bias) -> Tensor", &linear_bf16);
-  m.def("linear_bf16_silu_mul(Tensor x, Tensor packed, int n, Tensor? bias) -> Tensor", &linear_bf16_silu_mul);
+  m.def("linear_bf16(Tensor x, Tensor packed, int n, Tensor? bias) -> Tensor", &sluice_ops::linear_bf16);
+  m.def("linear_bf16_silu_mul(Tensor x, Tensor packed, int n, Tensor? bias) -> Tensor", &sluice_ops::linear_bf16_silu_mul);
 }

@@ -32,6 +32,7 @@
 
 #include <immintrin.h>
 
+#include "ops.h"
 #include "simd.h"
 
 #include <algorithm>
@@ -584,6 +585,10 @@ void check_indices(const Problem& pb, int64_t num_seqs, int64_t num_tokens, cons
   }
 }
 
+}  // namespace
+
+namespace sluice_ops {
+
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache,
                            at::Tensor v_cache, const at::Tensor& slot_mapping, const at::Tensor& query_start_loc,
                            const at::Tensor& seq_lens, const at::Tensor& block_tables, double scale) {
@@ -624,11 +629,11 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
   return out;
 }
 
-}  // namespace
+}  // namespace sluice_ops
 
 TORCH_LIBRARY(sluice, m) {
   m.def(
       "paged_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping, "
       "Tensor query_start_loc, Tensor seq_lens, Tensor block_tables, float scale) -> Tensor",
-      &paged_attention);
+      &sluice_ops::paged_attention);
 }
