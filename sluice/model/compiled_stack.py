@@ -1,7 +1,7 @@
 """A Llama model's decoder layers in one compiled call (`torch.ops.sluice.decoder_stack`).
 
 `LlamaForCausalLM.forward` loops over its layers in Python: on the CPU kernels that is ~10 module
-calls and ~8 op dispatches per layer, 5-7 ms per step for a 30-layer model at any batch size,
+calls and ~8 op dispatches per layer, 4-6 ms per step for a 30-layer model at any batch size,
 a third of a single sequence's decode step. `decoder_stack` (sluice/attention/cpu/stack.cpp) runs
 the same kernels in the same order on the same tensors from C++, so its output is bit-identical.
 

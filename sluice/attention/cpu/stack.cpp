@@ -3,7 +3,7 @@
 // Runs what LlamaForCausalLM.forward runs on the CPU kernels (sluice/model/llama.py with
 // `use_cpu_kernels`), layer after layer, calling the same kernels in the same order on the same
 // tensors, so its output is bit-identical to that Python loop. What it removes is the loop's
-// own cost: ~10 Python module calls and ~8 dispatcher round trips per layer, ~5-7 ms per step of
+// own cost: ~10 Python module calls and ~8 dispatcher round trips per layer, ~4-6 ms per step of
 // SmolLM2's 30 layers whatever the batch (docs/benchmarks.md, "The decoder stack in C++").
 //
 // Per layer (x: [T, hidden] bf16; the first layer's residual is its input):
