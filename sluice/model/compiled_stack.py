@@ -29,7 +29,11 @@ def unsupported_reason(model: nn.Module) -> Optional[str]:
 
     if not isinstance(model, LlamaForCausalLM) or type(model).forward is not LlamaForCausalLM.forward:
         return f"{type(model).__name__} has its own forward"
-    if not isinstance(model.norm, RMSNorm) or not model.norm.fused:
+    def fused_norm(norm: nn.Module) -> bool:  # what sluice::rms_norm takes, with the model's eps
+        return (isinstance(norm, RMSNorm) and norm.fused and norm.weight.dtype == torch.bfloat16
+                and norm.eps == model.norm.eps)
+
+    if not fused_norm(model.norm):
         return "final norm is not the fused kernel"
     for i, layer in enumerate(model.layers):
         attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
@@ -43,13 +47,12 @@ def unsupported_reason(model: nn.Module) -> Optional[str]:
             return f"layer {i}'s head shape is not one the attention kernel covers"
         if not (isinstance(attn.rotary, RotaryEmbedding) and attn.rotary.fused):
             return f"layer {i}'s rotary embedding is not the fused kernel"
-        for norm in (layer.input_layernorm, layer.post_attention_layernorm):
-            if not norm.fused or norm.weight.dtype != torch.bfloat16 or norm.eps != model.norm.eps:
-                return f"layer {i}'s norms are not fused bfloat16 norms with the model's eps"
+        if not (fused_norm(layer.input_layernorm) and fused_norm(layer.post_attention_layernorm)):
+            return f"layer {i}'s norms are not fused bfloat16 norms with the model's eps"
         linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
         if not all(type(p) is PackedLinear and p.bias is None for p in linears):
             return f"layer {i} has unpacked or biased projections"
-        if not mlp.gate_up_proj.silu_mul or mlp.down_proj.silu_mul or attn.qkv_proj.silu_mul or attn.o_proj.silu_mul:
+        if not mlp.gate_up_proj.silu_mul:  # (pack_linear_layers fuses no other projection)
             return f"layer {i}'s MLP is not a fused gate/up projection"
         if attn.rotary is not model.layers[0].self_attn.rotary or attn.scale != model.layers[0].self_attn.scale:
             return f"layer {i} has its own rotary table or scale"
