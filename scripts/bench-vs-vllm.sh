@@ -13,6 +13,8 @@
 #           burst sluice+spec vs vLLM, burst sluice vs vLLM+spec, sustained sluice+spec vs vLLM,
 #           and single user for all four.
 # Results go to bench-results/<name>/ (results.json, summary.md, compare.md, plots).
+# HISTORY=actual appends each engine's own reply to the next call's conversation, as an agent
+# client does (default synthetic: drawn text, so both engines get identical bodies).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 WHAT="${1:-all}"
@@ -23,17 +25,18 @@ CONC="${CONC:-32}"
 REPEATS="${REPEATS:-3}"
 BURST_WORKFLOWS="${BURST_WORKFLOWS:-48}"
 WINDOW="${WINDOW:-75}"
+HISTORY="${HISTORY:-synthetic}"
 SPEC='{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 2}'
 A="http://127.0.0.1:8000/v1"
 B="http://127.0.0.1:8100/v1"
 
 if [ "$WHAT" = plenty ] || [ "$WHAT" = all ]; then
-    "$SLUICE" bench compare --scenario burst --quiet \
+    "$SLUICE" bench compare --scenario burst --quiet --history "$HISTORY" \
         --a "$A" --a-label sluice --a-cmd "$SLUICE serve --port 8000" \
         --b "$B" --b-label vllm-0.32 --b-cmd "scripts/serve-vllm.sh" \
         --workflows "$BURST_WORKFLOWS" --concurrency "$CONC" --repeats "$REPEATS" \
         --manifest "$OUT/burst-manifest.jsonl" --out "$OUT/burst"
-    "$SLUICE" bench compare --scenario sustained --quiet \
+    "$SLUICE" bench compare --scenario sustained --quiet --history "$HISTORY" \
         --a "$A" --a-label sluice --a-cmd "$SLUICE serve --port 8000" \
         --b "$B" --b-label vllm-0.32 --b-cmd "scripts/serve-vllm.sh" \
         --window "$WINDOW" --concurrency "$CONC" --repeats "$REPEATS" --out "$OUT/sustained"
@@ -41,7 +44,7 @@ fi
 
 if [ "$WHAT" = pressure ] || [ "$WHAT" = all ]; then
     PREPEATS="${PRESSURE_REPEATS:-1}"
-    "$SLUICE" bench compare --scenario sustained --quiet \
+    "$SLUICE" bench compare --scenario sustained --quiet --history "$HISTORY" \
         --a "$A" --a-label sluice-workflow --a-cmd "$SLUICE serve --port 8000 --kv-cache-tokens 24064 --scheduling-policy workflow" \
         --b "$B" --b-label vllm-0.32-188blocks --b-cmd "env NUM_BLOCKS=188 scripts/serve-vllm.sh" \
         --window "$WINDOW" --concurrency "$CONC" --repeats "$PREPEATS" --out "$OUT/pressure-vllm"
@@ -49,7 +52,7 @@ if [ "$WHAT" = pressure ] || [ "$WHAT" = all ]; then
     SERVER=$!
     trap 'kill $SERVER 2>/dev/null || true' EXIT
     until curl -sf http://127.0.0.1:8001/health > /dev/null; do sleep 1; done
-    "$SLUICE" bench sustained --quiet --base-url "http://127.0.0.1:8001/v1" \
+    "$SLUICE" bench sustained --quiet --history "$HISTORY" --base-url "http://127.0.0.1:8001/v1" \
         --window "$WINDOW" --concurrency "$CONC" --repeats "$PREPEATS" --out "$OUT/pressure-fcfs"
     kill -TERM "$SERVER"; wait "$SERVER" || true
     # sluice `workflow` again, admitting each new workflow only while `GET /load` says accepting
@@ -57,13 +60,13 @@ if [ "$WHAT" = pressure ] || [ "$WHAT" = all ]; then
     "$SLUICE" serve --port 8001 --kv-cache-tokens 24064 --scheduling-policy workflow > "$OUT/pressure-gated-server.log" 2>&1 &
     SERVER=$!
     until curl -sf http://127.0.0.1:8001/health > /dev/null; do sleep 1; done
-    "$SLUICE" bench sustained --quiet --base-url "http://127.0.0.1:8001/v1" --admission load \
+    "$SLUICE" bench sustained --quiet --history "$HISTORY" --base-url "http://127.0.0.1:8001/v1" --admission load \
         --window "$WINDOW" --concurrency "$CONC" --repeats "$PREPEATS" --out "$OUT/pressure-workflow-gated"
     kill -TERM "$SERVER"; wait "$SERVER" || true
 fi
 
 if [ "$WHAT" = single ] || [ "$WHAT" = all ]; then
-    "$SLUICE" bench compare --scenario burst --quiet \
+    "$SLUICE" bench compare --scenario burst --quiet --history "$HISTORY" \
         --a "$A" --a-label sluice --a-cmd "$SLUICE serve --port 8000" \
         --b "$B" --b-label vllm-0.32 --b-cmd "scripts/serve-vllm.sh" \
         --workflows 4 --concurrency 1 --repeats 1 --out "$OUT/single"
@@ -72,23 +75,23 @@ fi
 if [ "$WHAT" = spec ]; then
     SSPEC="$SLUICE serve --port 8000 --speculative-config '$SPEC'"
     VSPEC="scripts/serve-vllm.sh --speculative-config '$SPEC'"
-    "$SLUICE" bench compare --scenario burst --quiet \
+    "$SLUICE" bench compare --scenario burst --quiet --history "$HISTORY" \
         --a "$A" --a-label sluice-spec --a-cmd "$SSPEC" \
         --b "$B" --b-label vllm-0.32 --b-cmd "scripts/serve-vllm.sh" \
         --workflows "$BURST_WORKFLOWS" --concurrency "$CONC" --repeats "$REPEATS" --out "$OUT/burst-spec" || echo "burst-spec failed"
-    "$SLUICE" bench compare --scenario burst --quiet \
+    "$SLUICE" bench compare --scenario burst --quiet --history "$HISTORY" \
         --a "$A" --a-label sluice-plain --a-cmd "$SLUICE serve --port 8000 --speculative-config none" \
         --b "$B" --b-label vllm-0.32-spec --b-cmd "$VSPEC" \
         --workflows "$BURST_WORKFLOWS" --concurrency "$CONC" --repeats "$REPEATS" --out "$OUT/burst-vllm-spec" || echo "burst-vllm-spec failed"
-    "$SLUICE" bench compare --scenario sustained --quiet \
+    "$SLUICE" bench compare --scenario sustained --quiet --history "$HISTORY" \
         --a "$A" --a-label sluice-spec --a-cmd "$SSPEC" \
         --b "$B" --b-label vllm-0.32 --b-cmd "scripts/serve-vllm.sh" \
         --window "$WINDOW" --concurrency "$CONC" --repeats "$REPEATS" --out "$OUT/sustained-spec" || echo "sustained-spec failed"
-    "$SLUICE" bench compare --scenario burst --quiet \
+    "$SLUICE" bench compare --scenario burst --quiet --history "$HISTORY" \
         --a "$A" --a-label sluice-spec --a-cmd "$SSPEC" \
         --b "$B" --b-label vllm-0.32-spec --b-cmd "$VSPEC" \
         --workflows 4 --concurrency 1 --repeats 1 --out "$OUT/single-spec" || echo "single-spec failed"
-    "$SLUICE" bench compare --scenario burst --quiet \
+    "$SLUICE" bench compare --scenario burst --quiet --history "$HISTORY" \
         --a "$A" --a-label sluice-plain --a-cmd "$SLUICE serve --port 8000 --speculative-config none" \
         --b "$B" --b-label vllm-0.32 --b-cmd "scripts/serve-vllm.sh" \
         --workflows 4 --concurrency 1 --repeats 1 --out "$OUT/single-plain" || echo "single-plain failed"

@@ -34,6 +34,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--retention-ttl", type=float, default=10.0, help="seconds a finished workflow call's KV stays pinned")
     p.add_argument("--starvation-s", type=float, default=None,
                    help="workflow policy under KV pressure: a call waiting this long goes first (default 50)")
+    p.add_argument("--admit-backlog-steps", type=float, default=2.0, metavar="STEPS",
+                   help="GET /load welcomes no new workflow while this many steps' token budgets of "
+                        "prompt tokens wait to be computed (default 2)")
     p.add_argument("--attention-backend", default="auto")
     p.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads (default: all cores)")
     p.add_argument("--step-trace", default=None, metavar="PATH",
@@ -101,6 +104,7 @@ def build_engine_config(args: argparse.Namespace):
             max_waiting_tokens=args.max_waiting_tokens,
             retention_ttl_s=args.retention_ttl,
             starvation_s=args.starvation_s,
+            admit_backlog_steps=args.admit_backlog_steps,
         ),
         dtype=parse_dtype(args.dtype),
         seed=args.seed,

@@ -95,10 +95,15 @@ class SchedulerConfig:
     aging_s: float = 5.0                   # waiting time that promotes a request by one level
     # Under KV pressure, a call waiting this long goes before all others (None: 10 x aging_s).
     starvation_s: Optional[float] = None
+    # `GET /load` welcomes no new workflow while this many steps' token budgets of prompt tokens
+    # wait to be computed (None: no such bound). See Scheduler.admissible_workflows.
+    admit_backlog_steps: Optional[float] = 2.0
 
     def __post_init__(self) -> None:
         if self.max_num_seqs <= 0 or self.max_num_batched_tokens <= 0 or self.max_model_len <= 0:
             raise ValueError("scheduler limits must be positive")
+        if self.admit_backlog_steps is not None and self.admit_backlog_steps <= 0:
+            raise ValueError("admit_backlog_steps must be positive (or None for no bound)")
 
 
 @dataclass(frozen=True)

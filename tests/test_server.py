@@ -123,6 +123,30 @@ def test_prefix_cache_reports_cached_tokens(client: openai.OpenAI, model: str) -
     assert 0 < details.cached_tokens <= second.usage.prompt_tokens
 
 
+def test_agent_follow_up_reuses_the_kv_of_its_own_reply(client: openai.OpenAI, model: str) -> None:
+    """An agent sends its next call with the model's reply appended (then a tool result): the KV
+    computed while decoding that reply must serve the next prompt, up to the last full block
+    (the reply's last token is sampled, never fed back, so its KV does not exist)."""
+    block = 16   # `sluice serve`'s default --block-size
+    messages = [
+        {"role": "system", "content": "You are a careful assistant. " + LONG_PROMPT},
+        {"role": "user", "content": "Describe the boxes above in a few sentences."},
+    ]
+    first = client.chat.completions.create(model=model, messages=messages, max_tokens=64, temperature=0)
+    assert first.usage is not None and first.usage.completion_tokens > 2 * block
+    reply = first.choices[0].message.content
+    messages += [
+        {"role": "assistant", "content": reply},
+        {"role": "user", "content": "[search result] " + " ".join(["the file was found"] * 20)},
+    ]
+    second = client.chat.completions.create(model=model, messages=messages, max_tokens=1, temperature=0)
+    assert second.usage is not None and second.usage.prompt_tokens_details is not None
+    computed = first.usage.prompt_tokens + first.usage.completion_tokens - 1
+    # Past the first prompt's blocks: the reply's own KV was reused, not only the old prompt's.
+    assert second.usage.prompt_tokens_details.cached_tokens >= computed // block * block
+    assert second.usage.prompt_tokens_details.cached_tokens > first.usage.prompt_tokens
+
+
 def test_n_samples(client: openai.OpenAI, model: str) -> None:
     resp = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=6, n=2, seed=1)
     assert sorted(c.index for c in resp.choices) == [0, 1]

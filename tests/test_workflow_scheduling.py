@@ -3,6 +3,7 @@ between a workflow's calls (TTL, last step, early release by the cost rule), adm
 the choice of preemption victims."""
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -20,7 +21,6 @@ from sched_utils import (
 )
 from sluice.engine.errors import RequestRejected
 from sluice.engine.request import RequestStatus
-from sluice.engine.scheduler import Scheduler
 
 
 def by_output_index(req) -> int:
@@ -659,24 +659,40 @@ def test_prefill_backlog_counts_prompt_tokens_still_to_compute():
     assert_all_released(s)
 
 
-def test_no_new_workflows_while_the_prefill_backlog_fills_two_steps(monkeypatch):
-    """Past `ADMIT_BACKLOG_STEPS` token budgets of prompt tokens waiting, a new workflow would
+def test_no_new_workflows_while_the_prefill_backlog_fills_two_steps():
+    """Past `admit_backlog_steps` token budgets of prompt tokens waiting, a new workflow would
     only queue behind them (and put every call after it further back): `accepting` is false
     however much KV is free, and comes back as the backlog is computed."""
     s = create_scheduler(max_num_batched_tokens=100, num_blocks=4000)
-    assert s.ADMIT_BACKLOG_STEPS == 2.0
+    assert s.config.admit_backlog_steps == 2.0
     create_request(s, "a", 150, max_tokens=4, ignore_eos=True)
     assert s.accepting() and s.admissible_workflows() > 1
     create_request(s, "b", 50, max_tokens=4, ignore_eos=True)
     assert s.prefill_backlog() == 200 and not s.accepting() and s.admissible_workflows() == 0
     run_step(s)                                          # 100 computed: 100 left
     assert s.prefill_backlog() == 100 and s.accepting()
-    monkeypatch.setattr(Scheduler, "ADMIT_BACKLOG_STEPS", 0.5)
+    s.config = dataclasses.replace(s.config, admit_backlog_steps=0.5)
     assert not s.accepting()
-    monkeypatch.setattr(Scheduler, "ADMIT_BACKLOG_STEPS", None)
+    s.config = dataclasses.replace(s.config, admit_backlog_steps=None)
     assert s.accepting()
     drain(s)
     assert_all_released(s)
+
+
+def test_admit_backlog_steps_is_a_server_flag_and_must_be_positive():
+    import argparse
+
+    from sluice.cli import add_engine_args, build_engine_config
+    from sluice.config import SchedulerConfig
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    assert build_engine_config(parser.parse_args([])).scheduler.admit_backlog_steps == 2.0
+    cfg = build_engine_config(parser.parse_args(["--admit-backlog-steps", "0.5"]))
+    assert cfg.scheduler.admit_backlog_steps == 0.5
+    with pytest.raises(ValueError, match="admit_backlog_steps"):
+        build_engine_config(parser.parse_args(["--admit-backlog-steps", "0"]))
+    assert SchedulerConfig(admit_backlog_steps=None).admit_backlog_steps is None
 
 
 def test_a_full_sequence_table_with_a_queue_is_not_welcoming():

@@ -77,10 +77,6 @@ class Scheduler:
     MAX_DEFER_STEPS = 8
     # Whether a running prefill short of blocks computes the part that fits before anything else.
     SHRINK_CHUNKS = True
-    # New workflows are not welcome while this many steps' token budgets of prompt tokens wait
-    # to be computed (None: no such bound). Past it every step is already full of prefill, so
-    # a workflow admitted then adds no throughput, only queueing for every call behind it.
-    ADMIT_BACKLOG_STEPS: Optional[float] = 2.0
 
     def __init__(self, config: SchedulerConfig, cache: CacheConfig, num_blocks: int,
                  clock: Callable[[], float] = time.monotonic, state: Optional[StateLayout] = None,
@@ -157,8 +153,11 @@ class Scheduler:
             return 0
         if len(self.running) >= c.max_num_seqs and self.waiting:
             return 0
-        if (self.ADMIT_BACKLOG_STEPS is not None
-                and self.prefill_backlog() >= self.ADMIT_BACKLOG_STEPS * c.max_num_batched_tokens):
+        # Past `admit_backlog_steps` token budgets of prompt tokens waiting, every step is already
+        # full of prefill: a workflow admitted then adds no throughput, only queueing for every
+        # call behind it.
+        if (c.admit_backlog_steps is not None
+                and self.prefill_backlog() >= c.admit_backlog_steps * c.max_num_batched_tokens):
             return 0
         call = self.typical_call_blocks
         headroom = self.kv_headroom()
