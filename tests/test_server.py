@@ -241,6 +241,31 @@ def test_load_and_metrics(server: RemoteServer) -> None:
     assert metric(samples, "sluice:request_success_total", finished_reason="length") > 0
 
 
+def test_request_phase_histograms_split_each_request(server: RemoteServer, client: openai.OpenAI, model: str) -> None:
+    """Queue, prefill and decode time of each finished request: one observation each, and
+    together no longer than the request itself."""
+    wait_until_idle(server)
+    phases = ("queue", "prefill", "decode")
+    before = scrape_metrics(server)
+    resp = client.completions.create(model=model, prompt="Count: 1, 2, 3,", max_tokens=12, temperature=0,
+                                     extra_body={"ignore_eos": True})
+    assert resp.usage.completion_tokens == 12
+    wait_until_idle(server)
+    after = scrape_metrics(server)
+
+    def delta(name: str) -> float:
+        return metric(after, name) - metric(before, name)
+
+    for phase in phases:
+        assert delta(f"sluice:request_{phase}_time_seconds_count") == 1, phase
+        assert delta(f"sluice:request_{phase}_time_seconds_sum") >= 0, phase
+    assert delta("sluice:request_decode_time_seconds_sum") > 0  # 11 tokens after the first
+    engine_total = sum(delta(f"sluice:request_{phase}_time_seconds_sum") for phase in phases)
+    assert 0 < engine_total <= delta("sluice:e2e_request_latency_seconds_sum")
+    assert (delta("sluice:request_queue_time_seconds_sum") + delta("sluice:request_prefill_time_seconds_sum")
+            <= delta("sluice:time_to_first_token_seconds_sum"))
+
+
 def _long_chat_body(model: str, stream: bool) -> dict:
     return {"model": model, "messages": MESSAGES, "max_tokens": 1500, "ignore_eos": True, "stream": stream}
 

@@ -240,6 +240,7 @@ class LLMEngine:
                 sample.finish_reason = req.status.value
                 sample.stop_reason = req.stop_reason
             if "first_token_time" not in group.metrics:
+                group.metrics["scheduled_time"] = req.admit_time
                 group.metrics["first_token_time"] = req.first_token_time
             touched[gid] = group
         return [self._make_output(g) for g in touched.values()]

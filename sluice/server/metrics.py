@@ -111,6 +111,21 @@ class ServerMetrics:
             "sluice:e2e_request_latency_seconds", "Time from request arrival to its last output.",
             labels, buckets=_E2E_BUCKETS, registry=self.registry,
         ).labels(model_name)
+        # vLLM's request phase histograms, from the engine's own timestamps: waiting until first
+        # scheduled, then until the first token (prefill, with any queueing behind other work's
+        # steps), then until the last token.
+        self.request_queue_time = Histogram(
+            "sluice:request_queue_time_seconds", "Time from request arrival until it is first scheduled.",
+            labels, buckets=_TTFT_BUCKETS, registry=self.registry,
+        ).labels(model_name)
+        self.request_prefill_time = Histogram(
+            "sluice:request_prefill_time_seconds", "Time from first scheduled to the first output token.",
+            labels, buckets=_TTFT_BUCKETS, registry=self.registry,
+        ).labels(model_name)
+        self.request_decode_time = Histogram(
+            "sluice:request_decode_time_seconds", "Time from the first to the last output token.",
+            labels, buckets=_E2E_BUCKETS, registry=self.registry,
+        ).labels(model_name)
         self._request_success = Counter(
             "sluice:request_success", "Finished requests by finish reason.",
             labels + ["finished_reason"], registry=self.registry,
@@ -152,9 +167,20 @@ class RequestRecorder:
                 self._metrics.inter_token_latency.observe(now - self._last_token_time)
             self._last_token_time = now
         if output.finished:
+            self._observe_phases(output.metrics)
             reasons = [o.finish_reason for o in output.outputs if o.finish_reason]
             reason = "error" if "error" in reasons else (reasons[0] if reasons else "stop")
             self._finish(reason, now)
+
+    def _observe_phases(self, m: dict) -> None:
+        """Queue, prefill and decode time of a finished request, from the engine's clock."""
+        arrival, scheduled = m.get("arrival_time"), m.get("scheduled_time")
+        first, finish = m.get("first_token_time"), m.get("finish_time")
+        if arrival is None or scheduled is None or first is None or finish is None:
+            return  # finished without a token (aborted before its first step)
+        self._metrics.request_queue_time.observe(max(0.0, scheduled - arrival))
+        self._metrics.request_prefill_time.observe(max(0.0, first - scheduled))
+        self._metrics.request_decode_time.observe(max(0.0, finish - first))
 
     def close(self, reason: str = "abort") -> None:
         """The request ended without a finished output: the client went away ("abort") or the
