@@ -43,7 +43,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="append one JSON line per engine step: its batch shape and where its time went")
     p.add_argument("--speculative-config", default=DEFAULT_SPECULATIVE, metavar="JSON",
                    help='prompt-lookup speculative decoding, as vLLM\'s flag: \'{"method": "ngram", '
-                        '"num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 2}\' '
+                        '"num_speculative_tokens": 6, "prompt_lookup_max": 3, "prompt_lookup_min": 2}\' '
                         '(missing keys take these defaults; this is the default); "none": off')
 
 
