@@ -113,9 +113,11 @@ class ServerMetrics:
         ).labels(model_name)
         # vLLM's request phase histograms, from the engine's own timestamps: waiting until first
         # scheduled, then until the first token (prefill, with any queueing behind other work's
-        # steps), then until the last token.
+        # steps), then until the last token. The engine thread takes requests in between steps,
+        # so TTFT minus queue and prefill is the rest of the step running when the request came
+        # in, plus tokenization and delivery.
         self.request_queue_time = Histogram(
-            "sluice:request_queue_time_seconds", "Time from request arrival until it is first scheduled.",
+            "sluice:request_queue_time_seconds", "Time from the engine taking a request in until it is first scheduled.",
             labels, buckets=_TTFT_BUCKETS, registry=self.registry,
         ).labels(model_name)
         self.request_prefill_time = Histogram(
