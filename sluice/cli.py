@@ -37,6 +37,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--admit-backlog-steps", type=float, default=2.0, metavar="STEPS",
                    help="GET /load welcomes no new workflow while this many steps' token budgets of "
                         "prompt tokens wait to be computed (default 2)")
+    p.add_argument("--max-active-workflows", type=int, default=None, metavar="N",
+                   help="GET /load welcomes no new workflow while N are in flight (a call running or "
+                        "waiting, or KV retained for the next call); default: no bound")
     p.add_argument("--attention-backend", default="auto")
     p.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads (default: all cores)")
     p.add_argument("--step-trace", default=None, metavar="PATH",
@@ -105,6 +108,7 @@ def build_engine_config(args: argparse.Namespace):
             retention_ttl_s=args.retention_ttl,
             starvation_s=args.starvation_s,
             admit_backlog_steps=args.admit_backlog_steps,
+            max_active_workflows=args.max_active_workflows,
         ),
         dtype=parse_dtype(args.dtype),
         seed=args.seed,

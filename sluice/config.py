@@ -98,12 +98,18 @@ class SchedulerConfig:
     # `GET /load` welcomes no new workflow while this many steps' token budgets of prompt tokens
     # wait to be computed (None: no such bound). See Scheduler.admissible_workflows.
     admit_backlog_steps: Optional[float] = 2.0
+    # `GET /load` welcomes no new workflow while this many are in flight: a call running or
+    # waiting, or KV retained for its next call (None: no such bound). See
+    # Scheduler.admissible_workflows.
+    max_active_workflows: Optional[int] = None
 
     def __post_init__(self) -> None:
         if self.max_num_seqs <= 0 or self.max_num_batched_tokens <= 0 or self.max_model_len <= 0:
             raise ValueError("scheduler limits must be positive")
         if self.admit_backlog_steps is not None and self.admit_backlog_steps <= 0:
             raise ValueError("admit_backlog_steps must be positive (or None for no bound)")
+        if self.max_active_workflows is not None and self.max_active_workflows <= 0:
+            raise ValueError("max_active_workflows must be positive (or None for no bound)")
 
 
 @dataclass(frozen=True)

@@ -695,6 +695,45 @@ def test_admit_backlog_steps_is_a_server_flag_and_must_be_positive():
     assert SchedulerConfig(admit_backlog_steps=None).admit_backlog_steps is None
 
 
+def test_max_active_workflows_bounds_admissions_until_a_workflow_ends():
+    """With `max_active_workflows`, `/load` welcomes new workflows only up to the bound, counting
+    a workflow in flight while a call of it runs or waits and while its KV is retained for the
+    next call; a workflow that ends (its last step finished) makes room again."""
+    s = create_scheduler(num_blocks=4000, retention_ttl_s=100.0)
+    s.config = dataclasses.replace(s.config, max_active_workflows=2)
+    assert s.admissible_workflows() == 2
+    create_request(s, "a1", 40, max_tokens=4, ignore_eos=True, workflow_id="a")
+    assert s.admissible_workflows() == 1
+    create_request(s, "b1", 40, max_tokens=4, ignore_eos=True, workflow_id="b", is_last_step=True)
+    assert s.admissible_workflows() == 0 and not s.accepting()
+    drain(s)
+    # a is between calls with its KV retained: still in flight; b said it was done.
+    assert s.workflows.workflows["a"].retention is not None
+    assert s.workflows.num_active == 1 and s.admissible_workflows() == 1
+    create_request(s, "a2", 60, max_tokens=4, ignore_eos=True, workflow_id="a", is_last_step=True)
+    assert s.workflows.num_active == 1
+    drain(s)
+    assert s.workflows.num_active == 0 and s.admissible_workflows() == 2
+    s.config = dataclasses.replace(s.config, max_active_workflows=None)
+    assert s.admissible_workflows() > 2
+    assert_all_released(s)
+
+
+def test_max_active_workflows_is_a_server_flag_and_must_be_positive():
+    import argparse
+
+    from sluice.cli import add_engine_args, build_engine_config
+    from sluice.config import SchedulerConfig
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    assert build_engine_config(parser.parse_args([])).scheduler.max_active_workflows is None
+    cfg = build_engine_config(parser.parse_args(["--max-active-workflows", "16"]))
+    assert cfg.scheduler.max_active_workflows == 16
+    with pytest.raises(ValueError, match="max_active_workflows"):
+        SchedulerConfig(max_active_workflows=0)
+
+
 def test_a_full_sequence_table_with_a_queue_is_not_welcoming():
     s = create_scheduler(max_num_seqs=1)
     create_request(s, "a", 10, max_tokens=3)

@@ -137,8 +137,9 @@ class Scheduler:
 
     def admissible_workflows(self) -> int:
         """How many new workflows are welcome now (`GET /load`): none when the waiting queue is at
-        a bound, when calls wait for a sequence slot, or when the KV cache cannot take one more
-        call of typical size on top of the working set of the workflows already admitted
+        a bound, when calls wait for a sequence slot, when `max_active_workflows` are in flight
+        (a call running or waiting, or KV retained for the next), or when the KV cache cannot take
+        one more call of typical size on top of the working set of the workflows already admitted
         (`kv_headroom`): a workflow admitted then would only displace the KV of those already
         running or waiting on a tool. Otherwise as many as fit one after another, each taking
         what a typical workflow reserves once it is in (its call up to max_tokens and its growth
@@ -159,6 +160,10 @@ class Scheduler:
         if (c.admit_backlog_steps is not None
                 and self.prefill_backlog() >= c.admit_backlog_steps * c.max_num_batched_tokens):
             return 0
+        if c.max_active_workflows is not None:
+            room = c.max_active_workflows - self.workflows.num_active
+            if room <= 0:
+                return 0
         call = self.typical_call_blocks
         headroom = self.kv_headroom()
         if headroom < call:
@@ -167,6 +172,8 @@ class Scheduler:
         n = min(n, max(1, c.max_num_seqs - len(self.running) - len(self.waiting)))
         if c.max_waiting_requests is not None:
             n = min(n, c.max_waiting_requests - len(self.waiting))
+        if c.max_active_workflows is not None:
+            n = min(n, room)
         return max(0, n)
 
     def prefill_backlog(self) -> int:

@@ -70,6 +70,11 @@ class WorkflowTracker:
         if wf is not None and wf.active_calls == 0 and wf.retention is None:
             del self.workflows[workflow_id]
 
+    @property
+    def num_active(self) -> int:
+        """Workflows in flight: a call accepted and not finished, or KV retained for the next."""
+        return sum(1 for wf in self.workflows.values() if wf.active_calls or wf.retention is not None)
+
     # --- retention ---------------------------------------------------------------------
     @property
     def num_retentions(self) -> int:
