@@ -99,35 +99,30 @@ class ServerMetrics:
         self.registry.register(_EngineStatsCollector(stats, model_name))
         ProcessCollector(registry=self.registry)
         labels = ["model_name"]
-        self.time_to_first_token = Histogram(
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]):
+            return Histogram(name, doc, labels, buckets=buckets, registry=self.registry).labels(model_name)
+
+        self.time_to_first_token = histogram(
             "sluice:time_to_first_token_seconds", "Time from request arrival to its first output token.",
-            labels, buckets=_TTFT_BUCKETS, registry=self.registry,
-        ).labels(model_name)
-        self.inter_token_latency = Histogram(
-            "sluice:inter_token_latency_seconds", "Time between consecutive outputs of a request.",
-            labels, buckets=_ITL_BUCKETS, registry=self.registry,
-        ).labels(model_name)
-        self.e2e_request_latency = Histogram(
-            "sluice:e2e_request_latency_seconds", "Time from request arrival to its last output.",
-            labels, buckets=_E2E_BUCKETS, registry=self.registry,
-        ).labels(model_name)
+            _TTFT_BUCKETS)
+        self.inter_token_latency = histogram(
+            "sluice:inter_token_latency_seconds", "Time between consecutive outputs of a request.", _ITL_BUCKETS)
+        self.e2e_request_latency = histogram(
+            "sluice:e2e_request_latency_seconds", "Time from request arrival to its last output.", _E2E_BUCKETS)
         # vLLM's request phase histograms, from the engine's own timestamps: waiting until first
         # scheduled, then until the first token (prefill, with any queueing behind other work's
         # steps), then until the last token. The engine thread takes requests in between steps,
         # so TTFT minus queue and prefill is the rest of the step running when the request came
         # in, plus tokenization and delivery.
-        self.request_queue_time = Histogram(
-            "sluice:request_queue_time_seconds", "Time from the engine taking a request in until it is first scheduled.",
-            labels, buckets=_TTFT_BUCKETS, registry=self.registry,
-        ).labels(model_name)
-        self.request_prefill_time = Histogram(
+        self.request_queue_time = histogram(
+            "sluice:request_queue_time_seconds",
+            "Time from the engine taking a request in until it is first scheduled.", _TTFT_BUCKETS)
+        self.request_prefill_time = histogram(
             "sluice:request_prefill_time_seconds", "Time from first scheduled to the first output token.",
-            labels, buckets=_TTFT_BUCKETS, registry=self.registry,
-        ).labels(model_name)
-        self.request_decode_time = Histogram(
-            "sluice:request_decode_time_seconds", "Time from the first to the last output token.",
-            labels, buckets=_E2E_BUCKETS, registry=self.registry,
-        ).labels(model_name)
+            _TTFT_BUCKETS)
+        self.request_decode_time = histogram(
+            "sluice:request_decode_time_seconds", "Time from the first to the last output token.", _E2E_BUCKETS)
         self._request_success = Counter(
             "sluice:request_success", "Finished requests by finish reason.",
             labels + ["finished_reason"], registry=self.registry,
