@@ -11,10 +11,11 @@ import sys
 import time
 from pathlib import Path
 
+import httpx
 import matplotlib.image as mpimg
 import pytest
 
-from server_utils import RemoteServer
+from server_utils import RemoteServer, free_port
 from sluice.bench.client import Endpoint, make_http_client
 from sluice.bench.progress import Progress
 from sluice.bench.run import fetch_model
@@ -111,3 +112,57 @@ def test_the_runner_tells_when_a_workflows_first_call_reached_the_server():
     first = runner.calls[0]
     assert [(i, n) for i, _, n in arrivals] == [(5, 0), (5, 0)]     # during the first call, twice
     assert first.first_token_time <= arrivals[0][1] <= first.end_time
+
+
+def _serve_cmd(port: int) -> str:
+    return f"{sys.executable} -m sluice.cli serve --host 127.0.0.1 --port {port} --max-model-len 2048"
+
+
+@pytest.mark.parametrize("order", ["interleaved", "sequential"])
+def test_compare_launches_each_side_and_pairs_the_repeats(tmp_path: Path, order: str):
+    """`sluice bench compare --a-cmd/--b-cmd`: each side's server is launched for its turn and
+    stopped after it; interleaved, a fresh one for every repeat, the runs alternating A B A B.
+    Both sides run the same seeds, and the table gives A/B for each pair of runs."""
+    port_a, port_b = free_port(), free_port()
+    out = tmp_path / "cmp"
+    cmd = [sys.executable, "-m", "sluice.cli", "bench", "compare",
+           "--a", f"http://127.0.0.1:{port_a}/v1", "--a-label", "first", "--a-cmd", _serve_cmd(port_a),
+           "--b", f"http://127.0.0.1:{port_b}/v1", "--b-label", "second", "--b-cmd", _serve_cmd(port_b),
+           "--startup-timeout", "240", "--repeats", "2", "--order", order, "--quiet",
+           *BENCH_ARGS, "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+    starts = [line.split(":", 1)[0] for line in proc.stderr.splitlines() if line.startswith("starting ")]
+    if order == "interleaved":
+        assert starts == ["starting A", "starting B", "starting A", "starting B"]
+        assert sorted(p.name for p in out.glob("*.server.*log")) == [
+            "a.server.r0.log", "a.server.r1.log", "b.server.r0.log", "b.server.r1.log"]
+    else:
+        assert starts == ["starting A", "starting B"]
+        assert sorted(p.name for p in out.glob("*.server.*log")) == ["a.server.log", "b.server.log"]
+    for port in (port_a, port_b):   # every launched server was stopped
+        with pytest.raises(httpx.HTTPError):
+            httpx.get(f"http://127.0.0.1:{port}/health", timeout=2)
+
+    docs = {side: json.loads((out / side / "results.json").read_text()) for side in ("a", "b")}
+    for side, label in (("a", "first"), ("b", "second")):
+        runs = docs[side]["runs"]
+        assert docs[side]["label"] == label and [r["repeat"] for r in runs] == [0, 1]
+        assert [r["seed"] for r in runs] == [11, 12]
+        assert all(r["summary"]["completed_workflows"] == 2 for r in runs)
+    started = {side: [r["started_at"] for r in docs[side]["runs"]] for side in ("a", "b")}
+    if order == "interleaved":
+        assert started["a"][0] <= started["b"][0] <= started["a"][1] <= started["b"][1]
+    else:
+        assert started["a"][1] <= started["b"][0]
+
+    compare = json.loads((out / "compare.json").read_text())
+    assert compare["order"] == order
+    pairs = compare["ratio_a_over_b_by_repeat"]
+    for key in ("output_throughput", "ttft_p50", "output_tokens"):
+        a = [r["summary"][key] for r in docs["a"]["runs"]]
+        b = [r["summary"][key] for r in docs["b"]["runs"]]
+        assert pairs[key] == pytest.approx([x / y for x, y in zip(a, b)])
+    assert pairs["output_tokens"] == [1.0, 1.0]   # same seeds: the same workload on both sides
+    assert "A/B by repeat" in proc.stdout and f"order: {order}" in (out / "compare.md").read_text()

@@ -119,12 +119,17 @@ def build_parser() -> argparse.ArgumentParser:
         _add_output_args(p)
     p = sub.add_parser(
         "compare", epilog=WORKLOAD_HELP, formatter_class=argparse.RawDescriptionHelpFormatter,
-        help="run the same scenario on endpoints A then B; print each metric and A/B",
-        description="Run the same scenario and workload on A, then on B (one after the other), and "
-                    "print the seed post's table. With --a-cmd/--b-cmd each server is launched "
-                    "before its turn and stopped after it.",
+        help="run the same scenario on endpoints A and B, one at a time; print each metric and A/B",
+        description="Run the same scenario and workload on A and on B, one at a time, and print the "
+                    "seed post's table. With --repeats N the runs alternate A B A B ... (--order "
+                    "interleaved, the default), so that a drift in the machine's speed reaches both "
+                    "sides alike; the table then also gives A/B for each pair of runs. With "
+                    "--a-cmd/--b-cmd each server is launched before its turn and stopped after it "
+                    "(interleaved: once per repeat, a fresh server for every run).",
     )
     p.add_argument("--scenario", choices=[BURST, SUSTAINED], default=BURST)
+    p.add_argument("--order", choices=["interleaved", "sequential"], default="interleaved",
+                   help="with --repeats N: A B A B ... (default) or all of A's runs, then all of B's")
     for side in ("a", "b"):
         p.add_argument(f"--{side}", required=True, metavar="URL", help=f"base URL of {side.upper()}")
         p.add_argument(f"--{side}-model", default=None)
@@ -206,8 +211,10 @@ def _default_out(name: str) -> Path:
 
 
 async def _bench_endpoint(
-    endpoint: Endpoint, model: Optional[str], spec: ScenarioSpec, workload: WorkloadConfig, args: argparse.Namespace
+    endpoint: Endpoint, model: Optional[str], spec: ScenarioSpec, workload: WorkloadConfig, args: argparse.Namespace,
+    first: int = 0, repeats: Optional[int] = None,
 ) -> tuple[list[RunResult], dict[str, Any]]:
+    """Repeats first .. first + repeats - 1 (default: all of --repeats) of the series."""
     model = model or await fetch_model(endpoint)
     if model is None:
         raise SystemExit(f"no --model given and {endpoint.base_url}/models lists none")
@@ -215,7 +222,8 @@ async def _bench_endpoint(
     info["model"] = model
     runs = await run_repeats(
         endpoint, model, spec, workload,
-        repeats=args.repeats, run_id=args.run_id, send_workflow_fields=args.send_workflow_fields,
+        repeats=args.repeats if repeats is None else repeats, first=first, of=args.repeats,
+        run_id=args.run_id, send_workflow_fields=args.send_workflow_fields,
         keep_bodies=args.manifest is not None, live=None if args.quiet else sys.stderr,
     )
     return runs, info
@@ -278,19 +286,23 @@ class LaunchedServer:
             pass
 
 
-def _run_side(side: str, args: argparse.Namespace, spec: ScenarioSpec, workload: WorkloadConfig, out: Path) -> tuple[str, list[RunResult], dict[str, Any]]:
+def _run_side(side: str, args: argparse.Namespace, spec: ScenarioSpec, workload: WorkloadConfig, out: Path,
+              first: int = 0, repeats: Optional[int] = None) -> tuple[str, list[RunResult], dict[str, Any]]:
+    """Repeats first .. first + repeats - 1 (default: all) on one side; with --{side}-cmd its
+    server is launched before them and stopped after them."""
     url, model, label, cmd = (getattr(args, side), getattr(args, f"{side}_model"),
                               getattr(args, f"{side}_label"), getattr(args, f"{side}_cmd"))
     endpoint = Endpoint.from_url(url, args.api_key)
     label = label or endpoint.base_url
-    server = LaunchedServer(cmd, out / f"{side}.server.log") if cmd else None
+    log = out / (f"{side}.server.log" if repeats is None else f"{side}.server.r{first}.log")
+    server = LaunchedServer(cmd, log) if cmd else None
     try:
         if server is not None:
             print(f"starting {side.upper()}: {cmd}", file=sys.stderr)
             server.start()
             asyncio.run(wait_ready(endpoint, args.startup_timeout, server.alive))
         print(f"{side.upper()} = {label}", file=sys.stderr)
-        runs, info = asyncio.run(_bench_endpoint(endpoint, model, spec, workload, args))
+        runs, info = asyncio.run(_bench_endpoint(endpoint, model, spec, workload, args, first, repeats))
     finally:
         if server is not None:
             server.stop()
@@ -305,17 +317,30 @@ def cmd_compare(args: argparse.Namespace, argv: Sequence[str]) -> int:
               file=sys.stderr)
     out = args.out or _default_out(f"compare-{args.scenario}")
     command = ["sluice", "bench", *argv]
+    runs: dict[str, list[RunResult]] = {"a": [], "b": []}
+    labels: dict[str, str] = {}
+    infos: dict[str, dict[str, Any]] = {}
+    if args.order == "interleaved" and args.repeats > 1:
+        # A B A B ...: a drift of the machine over the session reaches both sides alike, and each
+        # pair of runs (same seed, minutes apart) gives a ratio of its own.
+        turns = [(side, r, 1) for r in range(args.repeats) for side in ("a", "b")]
+    else:
+        turns = [(side, 0, None) for side in ("a", "b")]
+    for side, first, count in turns:
+        labels[side], got, info = _run_side(side, args, spec, workload, out, first, count)
+        runs[side].extend(got)
+        infos.setdefault(side, info)
     sides = {}
     for side in ("a", "b"):
-        label, runs, info = _run_side(side, args, spec, workload, out)
-        files = write_results(out / side, label, runs, spec, workload, info, command)
+        files = write_results(out / side, labels[side], runs[side], spec, workload, infos[side], command)
         if args.manifest is not None:
             path = args.manifest.with_name(f"{args.manifest.stem}.{side}{args.manifest.suffix or '.jsonl'}")
             files["manifest"] = path
-            files["manifest_summary"] = write_manifest(path, runs, workload)
-        sides[side] = (label, runs, files)
+            files["manifest_summary"] = write_manifest(path, runs[side], workload)
+        sides[side] = (labels[side], runs[side], files)
     (la, ra, fa), (lb, rb, fb) = sides["a"], sides["b"]
-    files = write_compare(out, la, ra, lb, rb, spec, workload, command)
+    order = args.order if args.repeats > 1 else "single"
+    files = write_compare(out, la, ra, lb, rb, spec, workload, command, order=order)
     print(compare_table(la, ra, lb, rb))
     print(f"results in {out}:")
     _print_kept({**files, **{f"a/{k}": v for k, v in fa.items()}, **{f"b/{k}": v for k, v in fb.items()}})

@@ -81,19 +81,33 @@ def _errors_text(errors: dict[str, int]) -> str:
     return ", ".join(f"{k}: {v}" for k, v in errors.items()) or "none"
 
 
+def paired_ratios(runs_a: Sequence[RunResult], runs_b: Sequence[RunResult]) -> dict[str, list[Optional[float]]]:
+    """A/B of every figure for each repeat both sides ran (same seed, same workload): one ratio
+    per pair of runs, in repeat order."""
+    by_repeat = {r.repeat: r for r in runs_b}
+    pairs = [(a.summary, by_repeat[a.repeat].summary) for a in sorted(runs_a, key=lambda r: r.repeat)
+             if a.repeat in by_repeat]
+    return {key: [ratio(getattr(a, key), getattr(b, key)) for a, b in pairs] for key, *_ in METRICS}
+
+
 def compare_table(label_a: str, runs_a: Sequence[RunResult], label_b: str, runs_b: Sequence[RunResult]) -> str:
-    """The seed post's table: each metric for A and B, and the ratio A/B (of the means)."""
+    """The seed post's table: each metric for A and B, and the ratio A/B (of the means); with
+    several repeats also A/B of each pair of runs (same seed)."""
     sa = aggregate([r.summary for r in runs_a])
     sb = aggregate([r.summary for r in runs_b])
-    rows = [f"| Metric | {label_a} (A) | {label_b} (B) | A/B |", "|---|---:|---:|---:|"]
+    pairs = paired_ratios(runs_a, runs_b)
+    by_pair = max((len(v) for v in pairs.values()), default=0) > 1
+    head = f"| Metric | {label_a} (A) | {label_b} (B) | A/B |" + (" A/B by repeat |" if by_pair else "")
+    rows = [head, "|---|---:|---:|---:|" + ("---:|" if by_pair else "")]
     for key, name, unit, _ in METRICS:
-        rows.append(
-            f"| {_label(name, unit)} | {fmt_stat(sa[key], unit)} | {fmt_stat(sb[key], unit)} | "
-            f"{fmt_ratio(ratio(sa[key].mean, sb[key].mean))} |"
-        )
+        row = (f"| {_label(name, unit)} | {fmt_stat(sa[key], unit)} | {fmt_stat(sb[key], unit)} | "
+               f"{fmt_ratio(ratio(sa[key].mean, sb[key].mean))} |")
+        if by_pair:
+            row += " " + " / ".join("n/a" if r is None else f"{r:.2f}" for r in pairs[key]) + " |"
+        rows.append(row)
     ea = aggregate_errors([r.summary for r in runs_a])
     eb = aggregate_errors([r.summary for r in runs_b])
-    rows.append(f"| Failed calls by kind | {_errors_text(ea)} | {_errors_text(eb)} | |")
+    rows.append(f"| Failed calls by kind | {_errors_text(ea)} | {_errors_text(eb)} | |" + (" |" if by_pair else ""))
     return "\n".join(rows)
 
 
@@ -273,7 +287,10 @@ def write_compare(
     spec: ScenarioSpec,
     workload: WorkloadConfig,
     command: Sequence[str],
+    order: str = "sequential",
 ) -> dict[str, Path]:
+    """compare.json, compare.md and the overlaid plots. `order` says how the runs were taken:
+    "interleaved" (A B A B ...), "sequential" (all of A's, then all of B's) or "single"."""
     folder.mkdir(parents=True, exist_ok=True)
     out: dict[str, Path] = {}
     sa = aggregate([r.summary for r in runs_a])
@@ -285,7 +302,10 @@ def write_compare(
         "workload": workload.describe(),
         "a": {"label": label_a, "aggregate": {k: s.to_json() for k, s in sa.items()}},
         "b": {"label": label_b, "aggregate": {k: s.to_json() for k, s in sb.items()}},
+        "order": order,
         "ratio_a_over_b": {k: ratio(sa[k].mean, sb[k].mean) for k in sa},
+        "ratio_a_over_b_by_repeat": paired_ratios(runs_a, runs_b),
+        "runs_started_at": {"a": [r.started_at for r in runs_a], "b": [r.started_at for r in runs_b]},
     }
     out["json"] = folder / "compare.json"
     out["json"].write_text(json.dumps(doc, indent=1) + "\n")
@@ -293,7 +313,7 @@ def write_compare(
     out["markdown"].write_text(
         f"# sluice bench compare ({spec.kind}): {label_a} vs {label_b}\n\n"
         f"- Command: `{' '.join(command)}`\n- Scenario: {json.dumps(spec.describe())}\n"
-        f"- Workload: {json.dumps(workload.describe())}\n- Repeats: {len(runs_a)} each\n\n"
+        f"- Workload: {json.dumps(workload.describe())}\n- Repeats: {len(runs_a)} each, order: {order}\n\n"
         + compare_table(label_a, runs_a, label_b, runs_b) + "\n"
     )
     series = [(label_a, runs_a), (label_b, runs_b)]

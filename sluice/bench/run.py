@@ -186,19 +186,24 @@ async def run_repeats(
     workload: WorkloadConfig,
     *,
     repeats: int = 1,
+    first: int = 0,
+    of: Optional[int] = None,
     run_id: Optional[str] = None,
     send_workflow_fields: bool = True,
     keep_bodies: bool = False,
     live: Optional[TextIO] = sys.stderr,
 ) -> list[RunResult]:
-    """Repeat r runs with seed `workload.seed + r`: a fresh workload each time, so no repeat finds
-    the previous one's prompts in the server's prefix cache; the same seeds on every engine."""
+    """Repeats first .. first + repeats - 1 of a series of `of` (default: these), repeat r with
+    seed `workload.seed + r`: a fresh workload each time, so no repeat finds the previous one's
+    prompts in the server's prefix cache; the same seeds on every engine. `compare` interleaving
+    two engines runs one repeat at a time with `first` and `of`."""
+    of = first + repeats if of is None else of
     results = []
-    for r in range(repeats):
+    for r in range(first, first + repeats):
         wl = replace(workload, seed=workload.seed + r)
-        rid = run_id if run_id and repeats == 1 else (f"{run_id}-r{r}" if run_id else default_run_id(wl.seed))
+        rid = run_id if run_id and of == 1 else (f"{run_id}-r{r}" if run_id else default_run_id(wl.seed))
         target = RequestTarget(model=model, run_id=rid, send_workflow_fields=send_workflow_fields)
-        if live is not None and repeats > 1:
-            live.write(f"repeat {r + 1}/{repeats} (seed {wl.seed}) against {endpoint.base_url}\n")
+        if live is not None and of > 1:
+            live.write(f"repeat {r + 1}/{of} (seed {wl.seed}) against {endpoint.base_url}\n")
         results.append(await run_once(endpoint, target, spec, wl, repeat=r, keep_bodies=keep_bodies, live=live))
     return results
