@@ -108,9 +108,39 @@ def test_stack_runs_when_and_only_when_it_applies():
 
 
 @pytest.mark.parametrize("what,arch,over", [
-    ("biases", "LlamaForCausalLM", {"attention_bias": True}),
-    ("mlp bias", "LlamaForCausalLM", {"mlp_bias": True}),
-    ("q/k norms", "Qwen3ForCausalLM", {"model_type": "qwen3"}),
+    ("attention biases", "LlamaForCausalLM", {"attention_bias": True}),
+    ("mlp biases", "LlamaForCausalLM", {"mlp_bias": True}),
+    ("qwen2 q/k/v biases", "Qwen2ForCausalLM", {"model_type": "qwen2"}),
+    ("qwen3 q/k norms and biases", "Qwen3ForCausalLM", {"model_type": "qwen3", "attention_bias": True}),
+])
+def test_stack_covers_biases_and_qk_norms_bit_identically(what, arch, over):
+    """Biased projections and Qwen3's per-head q/k norms run in the op too, each bias added where
+    the packed kernel adds it and the norms as RMSNorm's torch ops; without them (empty lists) the
+    same op gives another answer, so they are applied."""
+    cfg = _config(arch, **over)
+    model = _model(cfg)
+    stack = model.compiled_stack
+    assert isinstance(stack, CompiledDecoderStack), unsupported_reason(model)
+    biased = [name for name in ("qkv_bias", "o_bias", "gate_up_bias", "down_bias", "q_norms", "k_norms")
+              if getattr(stack, name)]
+    assert biased == {"attention biases": ["qkv_bias", "o_bias"], "mlp biases": ["gate_up_bias", "down_bias"],
+                      "qwen2 q/k/v biases": ["qkv_bias"],
+                      "qwen3 q/k norms and biases": ["qkv_bias", "o_bias", "q_norms", "k_norms"]}[what]
+    out = _run_both(model, cfg, MIXED)
+    (h_loop, c_loop), (h_stack, c_stack) = out["loop"], out["stack"]
+    assert torch.equal(h_stack, h_loop)
+    for (k1, v1), (k2, v2) in zip(c_loop, c_stack):
+        assert torch.equal(k1, k2) and torch.equal(v1, v2)
+    for names in ([n] if n not in ("q_norms", "k_norms") else ["q_norms", "k_norms"] for n in biased if n != "k_norms"):
+        for name in names:
+            setattr(stack, name, [])
+        h_without = _run_both(model, cfg, MIXED)["stack"][0]
+        assert not torch.allclose(h_without.float(), h_stack.float(), atol=0.05), names
+        for name in names:
+            setattr(stack, name, getattr(CompiledDecoderStack(model), name))
+
+
+@pytest.mark.parametrize("what,arch,over", [
     ("odd head dim", "LlamaForCausalLM", {"head_dim": 32}),
 ])
 def test_models_it_does_not_cover_keep_the_python_loop(what, arch, over):
@@ -139,14 +169,20 @@ def test_op_refuses_inconsistent_inputs():
         torch.ops.sluice.decoder_stack(
             x, torch.arange(2), s.input_norms, s.qkv[:-1], s.o_proj, s.post_norms, s.gate_up, s.down,
             [k for k, _ in caches], [v for _, v in caches], meta.slot_mapping, meta.query_start_loc, meta.seq_lens,
-            meta.block_tables, s.rotary.cos, s.rotary.sin, s.final_norm, s.num_heads, s.head_dim,
+            meta.block_tables, s.rotary.cos, s.rotary.sin, s.final_norm, [], [], [], [], [], [], s.num_heads, s.head_dim,
             s.intermediate_size, s.eps, s.scale)
+    with pytest.raises(RuntimeError, match="bias list"):
+        torch.ops.sluice.decoder_stack(
+            x, torch.arange(2), s.input_norms, s.qkv, s.o_proj, s.post_norms, s.gate_up, s.down,
+            [k for k, _ in caches], [v for _, v in caches], meta.slot_mapping, meta.query_start_loc, meta.seq_lens,
+            meta.block_tables, s.rotary.cos, s.rotary.sin, s.final_norm, [None], [], [], [], [], [], s.num_heads,
+            s.head_dim, s.intermediate_size, s.eps, s.scale)
     bad = torch.full_like(meta.slot_mapping, NUM_BLOCKS * BLOCK)     # past the cache
     with pytest.raises(RuntimeError, match="out of range"):
         torch.ops.sluice.decoder_stack(
             x, torch.arange(2), s.input_norms, s.qkv, s.o_proj, s.post_norms, s.gate_up, s.down,
             [k for k, _ in caches], [v for _, v in caches], bad, meta.query_start_loc, meta.seq_lens,
-            meta.block_tables, s.rotary.cos, s.rotary.sin, s.final_norm, s.num_heads, s.head_dim,
+            meta.block_tables, s.rotary.cos, s.rotary.sin, s.final_norm, [], [], [], [], [], [], s.num_heads, s.head_dim,
             s.intermediate_size, s.eps, s.scale)
 
 

@@ -7,8 +7,10 @@ the same kernels in the same order on the same tensors from C++, so its output i
 
 `use_cpu_kernels` attaches a `CompiledDecoderStack` to a model whose every layer has exactly the
 shape the op covers (`unsupported_reason` says why not otherwise); the Python loop stays the
-reference and the path for everything else (biases, q/k norms, mixtures of experts, other
-dtypes, recurrent state).
+reference and the path for everything else (mixtures of experts, other dtypes, recurrent state).
+Biases on the projections (Qwen2's q/k/v, Llama's attention_bias and mlp_bias) and Qwen3's per-head
+q/k norms are covered: the op adds the biases where the packed kernels do and runs the norms as
+RMSNorm's torch ops.
 """
 from __future__ import annotations
 
@@ -39,8 +41,12 @@ def unsupported_reason(model: nn.Module) -> Optional[str]:
         attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
         if type(layer) is not LlamaDecoderLayer or type(attn) is not LlamaAttention or type(mlp) is not LlamaMLP:
             return f"layer {i} is not a plain Llama layer"
-        if attn.q_norm is not None:
-            return f"layer {i} normalizes q/k"
+        if attn.q_norm is not None and not all(
+                isinstance(n, RMSNorm) and n.weight.dtype == torch.bfloat16 and n.eps == model.norm.eps
+                for n in (attn.q_norm, attn.k_norm)):
+            return f"layer {i}'s q/k norms are not bfloat16 RMSNorms with the model's eps"
+        if (attn.q_norm is None) != (model.layers[0].self_attn.q_norm is None):
+            return f"layer {i} differs from the first in normalizing q/k"
         if getattr(attn.backend, "name", None) != "cpu":
             return f"layer {i} does not use the cpu attention backend"
         if attn.head_dim not in SUPPORTED_HEAD_DIMS or attn.num_heads // attn.num_kv_heads > MAX_GROUP:
@@ -50,8 +56,8 @@ def unsupported_reason(model: nn.Module) -> Optional[str]:
         if not (fused_norm(layer.input_layernorm) and fused_norm(layer.post_attention_layernorm)):
             return f"layer {i}'s norms are not fused bfloat16 norms with the model's eps"
         linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-        if not all(type(p) is PackedLinear and p.bias is None for p in linears):
-            return f"layer {i} has unpacked or biased projections"
+        if not all(type(p) is PackedLinear for p in linears):
+            return f"layer {i} has unpacked projections"
         if not mlp.gate_up_proj.silu_mul:  # (pack_linear_layers fuses no other projection)
             return f"layer {i}'s MLP is not a fused gate/up projection"
         if attn.rotary is not model.layers[0].self_attn.rotary or attn.scale != model.layers[0].self_attn.scale:
@@ -75,6 +81,13 @@ class CompiledDecoderStack:
         self.gate_up = [l.mlp.gate_up_proj.packed for l in layers]
         self.down = [l.mlp.down_proj.packed for l in layers]
         self.final_norm = model.norm.weight
+        # per projection: no biases at all ([]), or each layer's (None where it has none)
+        self.qkv_bias, self.o_bias, self.gate_up_bias, self.down_bias = (
+            self._biases([l.get_submodule(part).bias for l in layers]) for part in
+            ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"))
+        qk_norm = attn0.q_norm is not None
+        self.q_norms = [l.self_attn.q_norm.weight for l in layers] if qk_norm else []
+        self.k_norms = [l.self_attn.k_norm.weight for l in layers] if qk_norm else []
         self.rotary = attn0.rotary
         self.num_heads, self.head_dim = attn0.num_heads, attn0.head_dim
         self.intermediate_size = layers[0].mlp.gate_up_proj.out_features // 2
@@ -92,4 +105,9 @@ class CompiledDecoderStack:
         return self._op(x, positions, self.input_norms, self.qkv, self.o_proj, self.post_norms, self.gate_up,
                         self.down, [kv[0] for kv in kv_caches], [kv[1] for kv in kv_caches], meta.slot_mapping,
                         meta.query_start_loc, meta.seq_lens, meta.block_tables, self.rotary.cos, self.rotary.sin,
-                        self.final_norm, self.num_heads, self.head_dim, self.intermediate_size, self.eps, self.scale)
+                        self.final_norm, self.qkv_bias, self.o_bias, self.gate_up_bias, self.down_bias,
+                        self.q_norms, self.k_norms, self.num_heads, self.head_dim, self.intermediate_size, self.eps, self.scale)
+
+    @staticmethod
+    def _biases(biases: list[Optional[torch.Tensor]]) -> list[Optional[torch.Tensor]]:
+        return [] if all(b is None for b in biases) else biases
