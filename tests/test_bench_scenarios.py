@@ -154,7 +154,9 @@ def test_waiting_slots_share_one_load_poller():
 
     assert sorted(asyncio.run(main())) == list(range(8))
     refusals = probe.calls - 8                     # one accepting answer per admission
-    assert 5 <= refusals <= 2 * 0.2 / 0.02 + 4
+    # At least one refusal (the slots waited); at most about one poller's worth: a loaded machine
+    # polls less often than every 0.02 s, never more (a lower bound of 5 failed once under load).
+    assert 1 <= refusals <= 2 * 0.2 / 0.02 + 4
     assert gate.waits >= 8 * 5                      # every slot waited out the refusals
     assert gate.pending == set()
 
