@@ -165,4 +165,8 @@ def test_compare_launches_each_side_and_pairs_the_repeats(tmp_path: Path, order:
         b = [r["summary"][key] for r in docs["b"]["runs"]]
         assert pairs[key] == pytest.approx([x / y for x, y in zip(a, b)])
     assert pairs["output_tokens"] == [1.0, 1.0]   # same seeds: the same workload on both sides
-    assert "A/B by repeat" in proc.stdout and f"order: {order}" in (out / "compare.md").read_text()
+    ci = compare["ratio_a_over_b_ci95"]["output_tokens"]
+    assert (ci["geometric_mean"], ci["low"], ci["high"]) == pytest.approx((1.0, 1.0, 1.0))
+    ci = compare["ratio_a_over_b_ci95"]["output_throughput"]
+    assert ci["low"] <= ci["geometric_mean"] <= ci["high"]
+    assert "A/B by repeat" in proc.stdout and "(95% CI 1.00-1.00)" in proc.stdout and f"order: {order}" in (out / "compare.md").read_text()

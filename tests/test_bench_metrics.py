@@ -10,7 +10,9 @@ from sluice.bench.metrics import (
     WorkflowRecord,
     aggregate,
     ratio,
+    ratio_interval,
     summarize,
+    t975,
     throughput_series,
 )
 
@@ -114,6 +116,27 @@ def test_ratio():
     assert ratio(6.0, 3.0) == pytest.approx(2.0)
     assert ratio(1.0, 0.0) is None
     assert ratio(None, 1.0) is None
+
+
+def test_t_quantiles():
+    assert t975(1) == 12.706 and t975(2) == 4.303 and t975(10) == 2.228
+    for df, exact in ((11, 2.201), (15, 2.131), (20, 2.086), (30, 2.042), (120, 1.980)):
+        assert t975(df) == pytest.approx(exact, abs=0.003)
+    with pytest.raises(ValueError):
+        t975(0)
+
+
+def test_ratio_interval_is_a_t_interval_on_log_ratios():
+    gm, lo, hi = ratio_interval([math.exp(0.1), math.exp(-0.1)])
+    half = 12.706 * math.sqrt(0.02) / math.sqrt(2)          # sd of (0.1, -0.1) is sqrt(0.02)
+    assert (gm, lo, hi) == pytest.approx((1.0, math.exp(-half), math.exp(half)))
+    assert ratio_interval([2.0, 2.0, 2.0]) == pytest.approx((2.0, 2.0, 2.0))
+    # more pairs with the same spread: a narrower interval around the same geometric mean
+    few = ratio_interval([1.8, 2.2])
+    many = ratio_interval([1.8, 2.2] * 4)
+    assert few[0] == pytest.approx(many[0]) and few[1] < many[1] < many[2] < few[2]
+    assert ratio_interval([2.0]) is None and ratio_interval([2.0, None]) is None
+    assert ratio_interval([2.0, None, 2.0]) == pytest.approx((2.0, 2.0, 2.0))
 
 
 def test_throughput_series_spreads_usage_over_chunks():

@@ -25,6 +25,7 @@ from sluice.bench.metrics import (  # noqa: E402
     aggregate_errors,
     percentile,
     ratio,
+    ratio_interval,
     summarize,
     throughput_series,
 )
@@ -92,7 +93,8 @@ def paired_ratios(runs_a: Sequence[RunResult], runs_b: Sequence[RunResult]) -> d
 
 def compare_table(label_a: str, runs_a: Sequence[RunResult], label_b: str, runs_b: Sequence[RunResult]) -> str:
     """The seed post's table: each metric for A and B, and the ratio A/B (of the means); with
-    several repeats also A/B of each pair of runs (same seed)."""
+    several repeats also A/B of each pair of runs (same seed) and a 95% confidence interval of
+    the ratio from those pairs (`ratio_interval`)."""
     sa = aggregate([r.summary for r in runs_a])
     sb = aggregate([r.summary for r in runs_b])
     pairs = paired_ratios(runs_a, runs_b)
@@ -103,7 +105,9 @@ def compare_table(label_a: str, runs_a: Sequence[RunResult], label_b: str, runs_
         row = (f"| {_label(name, unit)} | {fmt_stat(sa[key], unit)} | {fmt_stat(sb[key], unit)} | "
                f"{fmt_ratio(ratio(sa[key].mean, sb[key].mean))} |")
         if by_pair:
-            row += " " + " / ".join("n/a" if r is None else f"{r:.2f}" for r in pairs[key]) + " |"
+            ci = ratio_interval(pairs[key])
+            row += (" " + " / ".join("n/a" if r is None else f"{r:.2f}" for r in pairs[key])
+                    + ("" if ci is None else f" (95% CI {ci[1]:.2f}-{ci[2]:.2f})") + " |")
         rows.append(row)
     ea = aggregate_errors([r.summary for r in runs_a])
     eb = aggregate_errors([r.summary for r in runs_b])
@@ -305,6 +309,9 @@ def write_compare(
         "order": order,
         "ratio_a_over_b": {k: ratio(sa[k].mean, sb[k].mean) for k in sa},
         "ratio_a_over_b_by_repeat": paired_ratios(runs_a, runs_b),
+        "ratio_a_over_b_ci95": {k: (None if (ci := ratio_interval(v)) is None else
+                                    {"geometric_mean": ci[0], "low": ci[1], "high": ci[2]})
+                                for k, v in paired_ratios(runs_a, runs_b).items()},
         "runs_started_at": {"a": [r.started_at for r in runs_a], "b": [r.started_at for r in runs_b]},
     }
     out["json"] = folder / "compare.json"
