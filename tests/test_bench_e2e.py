@@ -170,3 +170,20 @@ def test_compare_launches_each_side_and_pairs_the_repeats(tmp_path: Path, order:
     ci = compare["ratio_a_over_b_ci95"]["output_throughput"]
     assert ci["low"] <= ci["geometric_mean"] <= ci["high"]
     assert "A/B by repeat" in proc.stdout and "(95% CI 1.00-1.00)" in proc.stdout and f"order: {order}" in (out / "compare.md").read_text()
+
+
+def test_compare_refuses_to_launch_onto_a_port_something_already_serves(tmp_path: Path):
+    """A server left running on A's port would take A's runs while the launched one fails to
+    bind, and nothing in the results would say so (it happened: three A/B comparisons measured a
+    leftover server). `compare` refuses before launching anything."""
+    with RemoteServer(["--max-model-len", "2048"]) as leftover:
+        other = free_port()
+        cmd = [sys.executable, "-m", "sluice.cli", "bench", "compare",
+               "--a", leftover.base_url, "--a-cmd", _serve_cmd(leftover.port),
+               "--b", f"http://127.0.0.1:{other}/v1", "--b-cmd", _serve_cmd(other),
+               "--quiet", *BENCH_ARGS, "--out", str(tmp_path / "cmp")]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        assert proc.returncode != 0
+        assert f"A: something already answers at {leftover.base_url}" in proc.stderr
+        assert "starting" not in proc.stderr and not (tmp_path / "cmp" / "compare.json").exists()
+        assert httpx.get(leftover.url + "/health", timeout=5).status_code == 200   # left alone

@@ -16,7 +16,17 @@ from typing import Any, Optional, Sequence
 
 from sluice.bench.client import Endpoint
 from sluice.bench.report import compare_table, replot, summary_table, write_compare, write_manifest, write_results
-from sluice.bench.run import BURST, SUSTAINED, RunResult, ScenarioSpec, fetch_model, run_repeats, server_info, wait_ready
+from sluice.bench.run import (
+    BURST,
+    SUSTAINED,
+    RunResult,
+    ScenarioSpec,
+    answers,
+    fetch_model,
+    run_repeats,
+    server_info,
+    wait_ready,
+)
 from sluice.bench.soak import SoakConfig, run_soak
 from sluice.bench.workload import FloatRange, History, IntRange, WorkloadConfig
 
@@ -296,6 +306,11 @@ def _run_side(side: str, args: argparse.Namespace, spec: ScenarioSpec, workload:
     label = label or endpoint.base_url
     log = out / (f"{side}.server.log" if repeats is None else f"{side}.server.r{first}.log")
     server = LaunchedServer(cmd, log) if cmd else None
+    if server is not None and asyncio.run(answers(endpoint)):
+        # The launched server could not bind the port and the runs would measure whatever holds
+        # it (a server left running from earlier), with nothing to tell the two apart.
+        raise SystemExit(f"{side.upper()}: something already answers at {endpoint.base_url}; stop it, or "
+                         f"drop --{side}-cmd to measure it as it is")
     try:
         if server is not None:
             print(f"starting {side.upper()}: {cmd}", file=sys.stderr)
@@ -303,6 +318,9 @@ def _run_side(side: str, args: argparse.Namespace, spec: ScenarioSpec, workload:
             asyncio.run(wait_ready(endpoint, args.startup_timeout, server.alive))
         print(f"{side.upper()} = {label}", file=sys.stderr)
         runs, info = asyncio.run(_bench_endpoint(endpoint, model, spec, workload, args, first, repeats))
+        if server is not None and not server.alive():
+            raise SystemExit(f"{side.upper()}: the server launched by --{side}-cmd exited during the run "
+                             f"(log: {log}); its results are not from it")
     finally:
         if server is not None:
             server.stop()

@@ -9,6 +9,8 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Optional, TextIO
 
+import httpx
+
 from sluice.bench.client import CallRecord, Endpoint, get_json, make_http_client
 from sluice.bench.metrics import Summary, WorkflowRecord, summarize
 from sluice.bench.progress import Progress
@@ -100,6 +102,16 @@ async def server_info(endpoint: Endpoint) -> dict[str, Any]:
         models = await get_json(http, endpoint.base_url + "/models", endpoint.headers())
         version = await get_json(http, endpoint.root_url + "/version", endpoint.headers())
     return {"base_url": endpoint.base_url, "models": models, "version": version}
+
+
+async def answers(endpoint: Endpoint, timeout_s: float = 2.0) -> bool:
+    """Whether anything answers HTTP at the endpoint (any status), e.g. a server left running."""
+    async with make_http_client(1) as http:
+        try:
+            await http.get(endpoint.base_url + "/models", headers=endpoint.headers(), timeout=timeout_s)
+        except httpx.HTTPError:
+            return False
+    return True
 
 
 async def wait_ready(endpoint: Endpoint, timeout_s: float, alive: Optional[Callable[[], bool]] = None) -> None:
