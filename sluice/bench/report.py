@@ -299,6 +299,7 @@ def write_compare(
     out: dict[str, Path] = {}
     sa = aggregate([r.summary for r in runs_a])
     sb = aggregate([r.summary for r in runs_b])
+    pairs = paired_ratios(runs_a, runs_b)
     doc = {
         "schema": SCHEMA,
         "command": list(command),
@@ -308,10 +309,10 @@ def write_compare(
         "b": {"label": label_b, "aggregate": {k: s.to_json() for k, s in sb.items()}},
         "order": order,
         "ratio_a_over_b": {k: ratio(sa[k].mean, sb[k].mean) for k in sa},
-        "ratio_a_over_b_by_repeat": paired_ratios(runs_a, runs_b),
+        "ratio_a_over_b_by_repeat": pairs,
         "ratio_a_over_b_ci95": {k: (None if (ci := ratio_interval(v)) is None else
                                     {"geometric_mean": ci[0], "low": ci[1], "high": ci[2]})
-                                for k, v in paired_ratios(runs_a, runs_b).items()},
+                                for k, v in pairs.items()},
         "runs_started_at": {"a": [r.started_at for r in runs_a], "b": [r.started_at for r in runs_b]},
     }
     out["json"] = folder / "compare.json"
