@@ -24,6 +24,7 @@ from tokenizers import models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from sluice.attention import AttentionMetadata
+from sluice.engine.llm_engine import WorkflowInfo
 from sluice.llm import LLM
 from sluice.sampling_params import SamplingParams
 from sched_utils import no_waiting_for_blocks
@@ -276,6 +277,60 @@ def test_greedy_under_preemption(setup, monkeypatch):
     assert llm.engine.stats().num_preemptions > before, "8 blocks cannot hold 4 sequences of 3 blocks"
     for prompt, out in zip(TIGHT_PROMPTS, outs):
         _assert_matches(setup, prompt, out)
+    _drained(llm)
+
+
+
+def _call(llm: LLM, rid: str, prompt: list[int], workflow: str, last: bool = False, after_first_step=None):
+    llm.engine.add_request(rid, prompt, PARAMS, WorkflowInfo(workflow, is_last_step=last))
+    final, first = None, True
+    while llm.engine.has_unfinished():
+        outs = llm.engine.step()
+        if first and after_first_step is not None:
+            after_first_step(llm.engine.scheduler.requests[rid])
+        first = False
+        for out in outs:
+            if out.finished and out.request_id == rid:
+                final = out
+    return final
+
+
+def test_greedy_workflow_calls_continue_in_the_retained_tail_block(setup):
+    """A workflow's next call takes over the partly filled last block its previous call left
+    retained, computing only the tokens after those the block holds; and a call that continues
+    only part of the tail overwrites the rest. Outputs equal the reference either way."""
+    llm = setup.llm
+    wf = f"tail-{setup.variant.name}"
+    tracker = llm.engine.scheduler.workflows
+    def with_tail(candidates):   # a prompt whose call leaves >= 2 tokens in a partly filled block
+        return next(p for p in candidates if (len(p) + len(setup.reference(p)[0]) - 1) % 16 >= 2)
+
+    p1 = with_tail([PROMPTS[2], PROMPTS[3], PROMPTS[2][:37], PROMPTS[3][:61]])
+    out1 = _call(llm, "tail-1", p1, wf)
+    _assert_matches(setup, p1, out1)
+    kv1 = len(p1) + len(out1.outputs[0].token_ids) - 1       # the last token has no KV yet
+    retention = tracker.workflows[wf].retention
+    assert kv1 % 16 and len(retention.tail_tokens) == kv1 % 16
+    tail_block = retention.blocks[-1]
+
+    conversation = p1 + out1.outputs[0].token_ids
+    p2 = with_tail([conversation + PROMPTS[0], conversation + PROMPTS[1][:9], conversation + PROMPTS[1]])
+    seen = []
+    out2 = _call(llm, "tail-2", p2, wf, after_first_step=lambda r: seen.append(r.blocks[kv1 // 16]))
+    assert seen == [tail_block] and out2.num_cached_tokens == kv1
+    _assert_matches(setup, p2, out2)
+
+    # The next call continues only part of the tail: the rest of the block is overwritten.
+    whole = p2 + out2.outputs[0].token_ids
+    kv2 = len(whole) - 1
+    tail2 = tracker.workflows[wf].retention.tail_tokens
+    assert kv2 % 16 >= 2 and len(tail2) == kv2 % 16
+    cut = kv2 - kv2 % 16 + (kv2 % 16) // 2
+    p3 = whole[:cut] + PROMPTS[1][:6]
+    out3 = _call(llm, "tail-3", p3, wf, last=True)
+    assert out3.num_cached_tokens == cut
+    _assert_matches(setup, p3, out3)
+    assert wf not in tracker.workflows or tracker.workflows[wf].retention is None
     _drained(llm)
 
 

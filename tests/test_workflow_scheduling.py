@@ -91,7 +91,7 @@ def test_resident_prefix_goes_first_within_a_level():
         prompt = unique_prompt(40)
         create_request(s, "prev", prompt, max_tokens=1, workflow_id="res-wf")
         drain(s)
-        assert s.workflows.num_retained_blocks == 2
+        assert s.workflows.num_retained_blocks == 3     # 40 tokens: two full blocks and the tail
         s.clock.advance(1)
         create_request(s, "cold", 40, max_tokens=1, workflow_id="cold-wf")
         s.clock.advance(1)
@@ -153,6 +153,96 @@ def test_finished_call_retains_its_full_cached_blocks():
     assert_all_released(s)
 
 
+def tail_call(s):
+    """40 prompt + 6 output tokens: 45 computed, two full blocks and 13 tokens in a third."""
+    call = create_request(s, "call1", 40, max_tokens=6, workflow_id="agent")
+    drain(s)
+    assert call.num_computed_tokens == 45
+    return call
+
+
+def test_finished_call_retains_its_partly_filled_last_block():
+    s = create_scheduler(block_size=16, num_blocks=20)
+    call1 = tail_call(s)
+    r = s.workflows.workflows["agent"].retention
+    assert len(r.blocks) == 3 and r.num_full_blocks == 2 and r.num_tokens == 45
+    assert r.tail_tokens == tuple(call1.all_token_ids[32:45])
+    tail = r.blocks[2]
+    assert tail.ref_cnt == 1 and tail.hash_key is None
+    assert s.stats().kv_blocks_retained == 3
+    s.check_invariants()
+
+    # The next call continues all 45 tokens: it takes the tail over and computes from token 45.
+    call2 = create_request(s, "call2", call1.all_token_ids + unique_prompt(10), max_tokens=2,
+                           workflow_id="agent", is_last_step=True)
+    out, _ = run_step(s)
+    assert scheduled_ids(out) == [("call2", 56 - 45)]
+    assert call2.num_cached_tokens == 45 and call2.blocks[2] is tail and tail.ref_cnt == 1
+    assert s.workflows.workflows["agent"].retention is None
+    drain(s)
+    assert_all_released(s)
+
+
+def test_a_call_continuing_part_of_the_tail_takes_it_and_overwrites_the_rest():
+    s = create_scheduler(block_size=16, num_blocks=20)
+    call1 = tail_call(s)
+    tail = s.workflows.workflows["agent"].retention.blocks[2]
+    call2 = create_request(s, "call2", call1.all_token_ids[:37] + unique_prompt(20), max_tokens=2,
+                           workflow_id="agent")
+    out, _ = run_step(s)
+    assert scheduled_ids(out) == [("call2", 57 - 37)]
+    assert call2.num_cached_tokens == 37 and call2.blocks[2] is tail
+    drain(s)
+    assert_all_released(s)
+
+
+def test_a_call_that_diverges_before_the_tail_does_not_take_it():
+    s = create_scheduler(block_size=16, num_blocks=20)
+    call1 = tail_call(s)
+    tail = s.workflows.workflows["agent"].retention.blocks[2]
+    for prompt, hit in ((call1.all_token_ids[:32] + unique_prompt(8), 32),     # at the tail's start
+                        (call1.all_token_ids[:20] + unique_prompt(8), 16)):    # inside a full block
+        call = create_request(s, f"branch-{hit}", prompt, max_tokens=1, workflow_id="agent")
+        out, _ = run_step(s)
+        assert call.num_cached_tokens == hit and tail not in call.blocks
+        assert tail.ref_cnt == 0, "the retention's end frees the tail block"
+        drain(s)
+        s.check_invariants()
+        tail = s.workflows.workflows["agent"].retention.blocks[-1]
+    assert_all_released(s)
+
+
+def test_the_tail_is_not_taken_by_another_workflow_with_the_same_tokens():
+    s = create_scheduler(block_size=16, num_blocks=20)
+    call1 = tail_call(s)
+    tail = s.workflows.workflows["agent"].retention.blocks[2]
+    other = create_request(s, "other", call1.all_token_ids + unique_prompt(4), max_tokens=1, workflow_id="other")
+    run_step(s)
+    assert other.num_cached_tokens == 32 and tail not in other.blocks
+    assert s.workflows.workflows["agent"].retention.blocks[2] is tail and tail.ref_cnt == 1
+    drain(s)
+    assert_all_released(s)
+
+
+def test_a_tail_is_given_up_when_the_next_call_needs_the_memory():
+    """The next call does not fit beside the retentions: ending its own frees the tail (it was
+    private), so the call recomputes those tokens, and another workflow's retention makes room."""
+    s = create_scheduler(block_size=16, num_blocks=8, retention_ttl_s=10)
+    call1 = tail_call(s)
+    create_request(s, "o1", 40, max_tokens=6, workflow_id="other")
+    drain(s)
+    assert s.workflows.num_retained_blocks == 6 and s.pool.num_free_blocks == 2
+    # 46 + 40 prompt tokens, 1 to generate: six blocks, three beyond the retained ones.
+    call2 = create_request(s, "call2", call1.all_token_ids + unique_prompt(40), max_tokens=1,
+                           workflow_id="agent")
+    out, _ = run_step(s)
+    assert scheduled_ids(out) == [("call2", 86 - 32)] and call2.num_cached_tokens == 32
+    assert s.workflows.workflows["other"].retention is None
+    drain(s)
+    assert call2.num_output_tokens == 1
+    assert_all_released(s)
+
+
 def test_retention_protects_blocks_from_eviction():
     s = create_scheduler(block_size=16, num_blocks=10)
     call1 = first_call(s)
@@ -197,7 +287,7 @@ def test_last_step_releases_the_workflows_retention():
     branch = create_request(s, "branch", 44, max_tokens=2, workflow_id="agent")
     while not branch.is_finished:
         run_step(s)
-    assert not last.is_finished and s.workflows.num_retained_blocks == 2
+    assert not last.is_finished and s.workflows.num_retained_blocks == 3   # 45 computed: 2 full + tail
     drain(s)
     assert last.status is RequestStatus.FINISHED_LENGTH
     assert s.workflows.num_retained_blocks == 0 and s.pool.all_unreferenced()
@@ -599,16 +689,19 @@ def test_the_headroom_reserves_the_next_call_of_every_workflow_not_at_its_last_s
     # Running: 8 blocks each to max_tokens; only wf-a will call again.
     assert s.kv_headroom() == 40 - 2 * 8 - 1 * g
     drain(s)
-    # wf-a is retained between calls (the 7 full blocks of its 127 computed tokens pinned: the
-    # last sampled token has no KV yet), wf-b ended with its last step.
+    # wf-a is retained between calls (the 7 full blocks of its 127 computed tokens and the tail
+    # block with the other 15 pinned: the last sampled token has no KV yet), wf-b ended with its
+    # last step.
     wf_a = s.workflows.workflows["wf-a"]
-    assert wf_a.retention is not None and len(wf_a.retention.blocks) == 7 and s.workflows.num_retentions == 1
+    assert wf_a.retention is not None and len(wf_a.retention.blocks) == 8 and s.workflows.num_retentions == 1
+    assert len(wf_a.retention.tail_tokens) == 15
     # Finished calls found nothing cached: each added all its 8 blocks, so the average grew.
     assert s.typical_growth_blocks == round(0.9 * round(0.9 * g + 0.1 * 8) + 0.1 * 8)
     g = s.typical_growth_blocks
     assert s.kv_headroom() == 40 - s.workflows.num_retained_blocks - g
     # Its next call (the conversation so far plus 20 new tokens, 12 to generate: 10 blocks) hits
-    # the 7 retained blocks; it adds only the 3 blocks beyond them to the average.
+    # the 7 retained full blocks and takes the tail over (127 tokens cached); it adds only the 3
+    # blocks beyond the 7 full ones to the average.
     create_request(s, "a2", first_prompt + [TOKEN] * 28 + unique_prompt(20), max_tokens=12, ignore_eos=True,
                    workflow_id="wf-a", is_last_step=True)
     drain(s)
@@ -630,12 +723,12 @@ def test_the_headroom_reserves_what_an_admitted_workflow_will_grow_to():
     assert s.kv_headroom() == 400 - 8 - (final - 8)    # 8 blocks at max_tokens, 42 still to come
     drain(s)
     retained = s.workflows.num_retained_blocks
-    assert retained == 7 and s.kv_headroom() == 400 - 7 - (final - 7)
+    assert retained == 8 and s.kv_headroom() == 400 - 8 - (final - 8)   # 7 full blocks and the tail
     # A last call of 10 blocks pulls the typical final size down, and with it the reservation.
     create_request(s, "b1", 100, max_tokens=60, ignore_eos=True, workflow_id="wf-b", is_last_step=True)
     drain(s)
     assert s.typical_final_blocks == round(0.9 * final + 0.1 * 10) == 46
-    assert s.kv_headroom() == 400 - 7 - (46 - 7)
+    assert s.kv_headroom() == 400 - 8 - (46 - 8)
     s.workflows.release(s.workflows.workflows["wf-a"])
     assert s.kv_headroom() == 400
     assert_all_released(s)

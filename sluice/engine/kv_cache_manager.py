@@ -1,6 +1,8 @@
 """Per-request block tables over the BlockPool, with automatic prefix caching."""
 from __future__ import annotations
 
+from typing import Optional
+
 from sluice.engine.block_pool import Block, BlockPool, hash_block
 from sluice.engine.request import Request
 
@@ -44,21 +46,28 @@ class KVCacheManager:
         self.prefix_queries += num_prompt_tokens
         self.prefix_hits += num_hit_tokens
 
-    def can_fit(self, req: Request, num_new_tokens: int, computed: list[Block] = ()) -> bool:
-        need = self._num_new_blocks(req, num_new_tokens, computed)
+    def can_fit(self, req: Request, num_new_tokens: int, computed: list[Block] = (), tail_tokens: int = 0) -> bool:
+        need = self._num_new_blocks(req, num_new_tokens, computed, tail_tokens)
         reusable_hits = sum(1 for b in computed if b.ref_cnt == 0)
         return need <= self.pool.num_free_blocks - reusable_hits
 
-    def allocate_slots(self, req: Request, num_new_tokens: int, computed: list[Block] = ()) -> bool:
+    def allocate_slots(self, req: Request, num_new_tokens: int, computed: list[Block] = (),
+                       tail: Optional[tuple[Block, int]] = None) -> bool:
         """Give `req` blocks for `num_new_tokens` more tokens (after taking `computed` prefix
-        hits). All or nothing: returns False and changes nothing when the pool is short."""
-        if not self.can_fit(req, num_new_tokens, computed):
+        hits and, with `tail` = (block, n), a partly filled block whose first n slots hold the KV
+        of the tokens after the hits; the caller hands over its reference on that block).
+        All or nothing: returns False and changes nothing when the pool is short."""
+        tail_tokens = tail[1] if tail is not None else 0
+        if not self.can_fit(req, num_new_tokens, computed, tail_tokens):
             return False
-        need = self._num_new_blocks(req, num_new_tokens, computed)
+        need = self._num_new_blocks(req, num_new_tokens, computed, tail_tokens)
         if computed:
             self.pool.touch(computed)
             req.blocks.extend(computed)
             req.num_cached_blocks = len(req.blocks)
+        if tail is not None:
+            assert tail[0].ref_cnt == 1 and tail[0].hash_key is None, "a tail block is private"
+            req.blocks.append(tail[0])
         if need > 0:
             req.blocks.extend(self.pool.allocate(need))
         return True
@@ -67,9 +76,9 @@ class KVCacheManager:
         """Token slots left in the blocks the request holds, past its computed tokens."""
         return len(req.blocks) * self.block_size - req.num_computed_tokens
 
-    def _num_new_blocks(self, req: Request, num_new_tokens: int, computed) -> int:
-        total = req.num_computed_tokens + len(computed) * self.block_size + num_new_tokens
-        return self.blocks_for(total) - len(req.blocks) - len(computed)
+    def _num_new_blocks(self, req: Request, num_new_tokens: int, computed, tail_tokens: int = 0) -> int:
+        total = req.num_computed_tokens + len(computed) * self.block_size + tail_tokens + num_new_tokens
+        return self.blocks_for(total) - len(req.blocks) - len(computed) - (1 if tail_tokens else 0)
 
     def cache_computed_blocks(self, req: Request) -> None:
         """Register the request's full, computed blocks in the prefix cache."""

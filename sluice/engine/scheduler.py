@@ -320,12 +320,16 @@ class Scheduler:
             if self.states is not None and not self.states.num_free_seq_slots:
                 break
             computed = self._computed_blocks(req)
-            num_hit = len(computed) * self.block_size
+            tail = self._retained_tail(req, computed)
+            num_hit = len(computed) * self.block_size + tail
             n = min(req.num_tokens - num_hit, budget)
-            if not self.kv.can_fit(req, n, computed):
+            if not self.kv.can_fit(req, n, computed, tail):
                 own = self.workflows.workflows.get(req.workflow_id)
                 if own is not None and own.retention is not None:
                     self.workflows.release(own)  # admission ends it anyway; its hits stay cached
+                tail = 0                         # (but not its tail block, which was private)
+                num_hit = len(computed) * self.block_size
+                n = min(req.num_tokens - num_hit, budget)
                 deficit = (self.kv._num_new_blocks(req, n, computed) + sum(1 for b in computed if b.ref_cnt == 0)
                            - self.pool.num_free_blocks)
                 # A retention is kept against waiting work worth less than it, but never while
@@ -338,7 +342,12 @@ class Scheduler:
                 n = min(req.num_tokens - num_hit, budget)
                 if not self.kv.can_fit(req, n, computed):
                     break  # strict priority order: later requests do not jump the blocked one
-            self.kv.allocate_slots(req, n, computed)
+            if tail:
+                handed = self.workflows.workflows[req.workflow_id].retention.take_tail()
+                ok = self.kv.allocate_slots(req, n, computed, (handed, tail))
+                assert ok, "can_fit said yes for the same request"
+            else:
+                self.kv.allocate_slots(req, n, computed)
             if self.states is not None:
                 self._start_state(req, computed, out)
             if req.num_cached_tokens < 0:
@@ -358,6 +367,27 @@ class Scheduler:
             ids = {r.request_id for r in admitted}
             self.waiting = [r for r in self.waiting if r.request_id not in ids]
         return budget
+
+    def _retained_tail(self, req: Request, computed: list) -> int:
+        """How many leading tokens of the retained tail block of req's workflow continue req's
+        prefix-cache hits (0: none, or no such block). The hits must be exactly the retention's
+        full blocks, and at least one prompt token is left to compute (its logits are needed)."""
+        if self.states is not None or not computed:
+            return 0
+        wf = self.workflows.workflows.get(req.workflow_id)
+        r = wf.retention if wf is not None else None
+        if r is None or not r.tail_tokens:
+            return 0
+        full = r.num_full_blocks
+        if len(computed) != full or computed[-1] is not r.blocks[full - 1]:
+            return 0
+        start = full * self.block_size
+        limit = min(len(r.tail_tokens), req.num_tokens - 1 - start)
+        tokens = req.all_token_ids
+        m = 0
+        while m < limit and tokens[start + m] == r.tail_tokens[m]:
+            m += 1
+        return m
 
     def _propose(self, req: Request, max_k: int) -> list[int]:
         """Drafts for a decode, at most `max_k` and no more than the request may still generate
@@ -559,9 +589,15 @@ class Scheduler:
                   and status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH))
         if retain and req.num_cached_blocks > 0:
             blocks = self.kv.take_blocks(req)
-            keep = blocks[:self._cached_prefix_len(blocks)]
+            full = self._cached_prefix_len(blocks)
+            computed = min(req.num_computed_tokens, req.num_tokens)   # tokens with valid KV
+            tail: tuple[int, ...] = ()
+            if (self.states is None and full == computed // self.block_size and computed % self.block_size
+                    and len(blocks) > full):
+                tail = tuple(req.all_token_ids[full * self.block_size:computed])
+            keep = blocks[:full + (1 if tail else 0)]
             self.pool.free(reversed(blocks[len(keep):]))
-            self.workflows.retain(req.workflow_id, keep, len(keep) * self.block_size, now)
+            self.workflows.retain(req.workflow_id, keep, full * self.block_size + len(tail), now, tail)
         else:
             self.kv.free(req)
             if req.has_named_workflow and req.is_last_step:

@@ -4,6 +4,12 @@ Retention contract: when a call of a named workflow finishes (and the client did
 workflow's last step), the call's full, prefix-cached blocks keep one reference each, held by a
 `Retention`, until the workflow's next call takes them over, the TTL expires, or the scheduler
 releases the retention early because waiting work needs the memory (see `release_for`).
+
+The retention also keeps the call's last, partly filled block (its `tail`: the KV of the tokens
+after the last full block, which the prefix cache cannot index). A next call whose prompt
+continues exactly those tokens takes that block over and computes only what follows them, so a
+follow-up recomputes no part of the conversation at all (with 16-token blocks the tail holds ~8
+tokens on average, ~3% of a typical tool-result call's prefill).
 """
 from __future__ import annotations
 
@@ -16,10 +22,22 @@ from sluice.engine.block_pool import Block, BlockPool
 
 @dataclass
 class Retention:
-    blocks: list[Block]
+    blocks: list[Block]    # full prefix-cached blocks, then the tail block when tail_tokens
     num_tokens: int        # prompt+output tokens whose KV the blocks hold
     start: float
     expires: float
+    tail_tokens: tuple[int, ...] = ()   # the tokens whose KV the last (partly filled) block holds
+
+    @property
+    def num_full_blocks(self) -> int:
+        return len(self.blocks) - (1 if self.tail_tokens else 0)
+
+    def take_tail(self) -> Block:
+        """Hand the tail block, with the retention's reference on it, to the caller."""
+        assert self.tail_tokens, "the retention has no tail block"
+        self.num_tokens -= len(self.tail_tokens)
+        self.tail_tokens = ()
+        return self.blocks.pop()
 
 
 @dataclass
@@ -85,14 +103,16 @@ class WorkflowTracker:
     def num_retained_blocks(self) -> int:
         return sum(len(wf.retention.blocks) for wf in self.workflows.values() if wf.retention)
 
-    def retain(self, workflow_id: str, blocks: list[Block], num_tokens: int, now: float) -> None:
-        """Keep the references on `blocks` for the workflow's next call (replacing an older one)."""
+    def retain(self, workflow_id: str, blocks: list[Block], num_tokens: int, now: float,
+               tail_tokens: tuple[int, ...] = ()) -> None:
+        """Keep the references on `blocks` for the workflow's next call (replacing an older one);
+        with `tail_tokens`, the last block is the partly filled tail holding their KV."""
         wf = self.get(workflow_id, now)
         self.release(wf)
         if self.ttl_s <= 0 or not blocks:
             self.pool.free(reversed(blocks))
             return
-        wf.retention = Retention(blocks, num_tokens, now, now + self.ttl_s)
+        wf.retention = Retention(blocks, num_tokens, now, now + self.ttl_s, tail_tokens)
 
     def release(self, wf: WorkflowState) -> int:
         if wf.retention is None:
