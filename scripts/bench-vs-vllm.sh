@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The measured comparisons of docs/benchmarks.md: sluice vs vLLM 0.32 (CPU), one engine at a time
-# (compare's default order: A B A B ..., a fresh server for every run).
+# (compare's default order: pairs A B, B A, ..., a fresh server for every run).
 #
 #   scripts/bench-vs-vllm.sh [plenty|pressure|single|all]   (default all)
 #

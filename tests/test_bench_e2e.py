@@ -121,7 +121,7 @@ def _serve_cmd(port: int) -> str:
 @pytest.mark.parametrize("order", ["interleaved", "sequential"])
 def test_compare_launches_each_side_and_pairs_the_repeats(tmp_path: Path, order: str):
     """`sluice bench compare --a-cmd/--b-cmd`: each side's server is launched for its turn and
-    stopped after it; interleaved, a fresh one for every repeat, the runs alternating A B A B.
+    stopped after it; interleaved, a fresh one for every repeat, the pairs alternating A B, B A.
     Both sides run the same seeds, and the table gives A/B for each pair of runs."""
     port_a, port_b = free_port(), free_port()
     out = tmp_path / "cmp"
@@ -135,7 +135,7 @@ def test_compare_launches_each_side_and_pairs_the_repeats(tmp_path: Path, order:
 
     starts = [line.split(":", 1)[0] for line in proc.stderr.splitlines() if line.startswith("starting ")]
     if order == "interleaved":
-        assert starts == ["starting A", "starting B", "starting A", "starting B"]
+        assert starts == ["starting A", "starting B", "starting B", "starting A"]
         assert sorted(p.name for p in out.glob("*.server.*log")) == [
             "a.server.r0.log", "a.server.r1.log", "b.server.r0.log", "b.server.r1.log"]
     else:
@@ -153,7 +153,7 @@ def test_compare_launches_each_side_and_pairs_the_repeats(tmp_path: Path, order:
         assert all(r["summary"]["completed_workflows"] == 2 for r in runs)
     started = {side: [r["started_at"] for r in docs[side]["runs"]] for side in ("a", "b")}
     if order == "interleaved":
-        assert started["a"][0] <= started["b"][0] <= started["a"][1] <= started["b"][1]
+        assert started["a"][0] <= started["b"][0] <= started["b"][1] <= started["a"][1]
     else:
         assert started["a"][1] <= started["b"][0]
 

@@ -294,7 +294,7 @@ def write_compare(
     order: str = "sequential",
 ) -> dict[str, Path]:
     """compare.json, compare.md and the overlaid plots. `order` says how the runs were taken:
-    "interleaved" (A B A B ...), "sequential" (all of A's, then all of B's) or "single"."""
+    "interleaved" (pairs A B, B A, A B ...), "sequential" (all of A's, then all of B's) or "single"."""
     folder.mkdir(parents=True, exist_ok=True)
     out: dict[str, Path] = {}
     sa = aggregate([r.summary for r in runs_a])
