@@ -69,6 +69,10 @@ PREFIX_PROMPTS = [_PREFIX + torch.randint(3, VOCAB, (n,), generator=_g).tolist()
 # within a few decode steps, so some must be preempted and recomputed.
 TIGHT_PROMPTS = [torch.randint(3, VOCAB, (n,), generator=_g).tolist() for n in (30, 27, 31, 29)]
 PARAMS = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=5)
+# Prompts no other test sends (the engines are shared by the module: a block another test's call
+# put in the prefix cache first would keep this test's copy of it private, and not retained).
+_g_tail = torch.Generator().manual_seed(4321)
+TAIL_PROMPTS = [torch.randint(3, VOCAB, (n,), generator=_g_tail).tolist() for n in (40, 61, 37, 5, 9, 17)]
 
 
 def _randomize(model: LlamaForCausalLM, seed: int) -> None:
@@ -305,7 +309,7 @@ def test_greedy_workflow_calls_continue_in_the_retained_tail_block(setup):
     def with_tail(candidates):   # a prompt whose call leaves >= 2 tokens in a partly filled block
         return next(p for p in candidates if (len(p) + len(setup.reference(p)[0]) - 1) % 16 >= 2)
 
-    p1 = with_tail([PROMPTS[2], PROMPTS[3], PROMPTS[2][:37], PROMPTS[3][:61]])
+    p1 = with_tail(TAIL_PROMPTS[:3])
     out1 = _call(llm, "tail-1", p1, wf)
     _assert_matches(setup, p1, out1)
     kv1 = len(p1) + len(out1.outputs[0].token_ids) - 1       # the last token has no KV yet
@@ -314,7 +318,7 @@ def test_greedy_workflow_calls_continue_in_the_retained_tail_block(setup):
     tail_block = retention.blocks[-1]
 
     conversation = p1 + out1.outputs[0].token_ids
-    p2 = with_tail([conversation + PROMPTS[0], conversation + PROMPTS[1][:9], conversation + PROMPTS[1]])
+    p2 = with_tail([conversation + p for p in TAIL_PROMPTS[3:]])
     seen = []
     out2 = _call(llm, "tail-2", p2, wf, after_first_step=lambda r: seen.append(r.blocks[kv1 // 16]))
     assert seen == [tail_block] and out2.num_cached_tokens == kv1
@@ -326,7 +330,7 @@ def test_greedy_workflow_calls_continue_in_the_retained_tail_block(setup):
     tail2 = tracker.workflows[wf].retention.tail_tokens
     assert kv2 % 16 >= 2 and len(tail2) == kv2 % 16
     cut = kv2 - kv2 % 16 + (kv2 % 16) // 2
-    p3 = whole[:cut] + PROMPTS[1][:6]
+    p3 = whole[:cut] + TAIL_PROMPTS[5][:6]
     out3 = _call(llm, "tail-3", p3, wf, last=True)
     assert out3.num_cached_tokens == cut
     _assert_matches(setup, p3, out3)
