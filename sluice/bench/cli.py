@@ -347,10 +347,18 @@ def cmd_compare(args: argparse.Namespace, argv: Sequence[str]) -> int:
         turns = [(side, r, 1) for r in range(args.repeats) for side in (("a", "b") if r % 2 == 0 else ("b", "a"))]
     else:
         turns = [(side, 0, None) for side in ("a", "b")]
+    failure: Optional[BaseException] = None
     for side, first, count in turns:
-        labels[side], got, info = _run_side(side, args, spec, workload, out, first, count)
+        try:
+            labels[side], got, info = _run_side(side, args, spec, workload, out, first, count)
+        except (SystemExit, Exception) as e:  # a launch or a run failed: keep what was measured
+            failure = e
+            break
         runs[side].extend(got)
         infos.setdefault(side, info)
+    if failure is not None:
+        _write_partial_compare(out, args, runs, labels, infos, spec, workload, command, failure)
+        raise failure
     sides = {}
     for side in ("a", "b"):
         files = write_results(out / side, labels[side], runs[side], spec, workload, infos[side], command)
@@ -366,6 +374,30 @@ def cmd_compare(args: argparse.Namespace, argv: Sequence[str]) -> int:
     print(f"results in {out}:")
     _print_kept({**files, **{f"a/{k}": v for k, v in fa.items()}, **{f"b/{k}": v for k, v in fb.items()}})
     return 0
+
+
+def _write_partial_compare(out: Path, args: argparse.Namespace, runs: dict[str, list[RunResult]],
+                           labels: dict[str, str], infos: dict[str, dict[str, Any]], spec: ScenarioSpec,
+                           workload: WorkloadConfig, command: list[str], failure: BaseException) -> None:
+    """After a failed turn: each side's completed runs, and the comparison of the repeats both
+    sides completed, so that an hour of runs is not lost to the last launch."""
+    reason = f"stopped early: {failure}"
+    kept: dict[str, Path] = {}
+    for side in ("a", "b"):
+        if runs[side]:
+            files = write_results(out / side, labels[side], runs[side], spec, workload, infos[side], command)
+            kept.update({f"{side}/{k}": v for k, v in files.items()})
+    common = {r.repeat for r in runs["a"]} & {r.repeat for r in runs["b"]}
+    if common:
+        ra = [r for r in runs["a"] if r.repeat in common]
+        rb = [r for r in runs["b"] if r.repeat in common]
+        order = args.order if args.repeats > 1 else "single"
+        kept.update(write_compare(out, labels["a"], ra, labels["b"], rb, spec, workload, command, order=order,
+                                  incomplete=f"{reason}; {len(common)} of {args.repeats} repeats on both sides"))
+    if kept:
+        print(f"{reason}; partial results in {out}:", file=sys.stderr)
+        for name, path in kept.items():
+            print(f"  {name}: {path}", file=sys.stderr)
 
 
 def cmd_soak(args: argparse.Namespace) -> int:

@@ -292,9 +292,11 @@ def write_compare(
     workload: WorkloadConfig,
     command: Sequence[str],
     order: str = "sequential",
+    incomplete: Optional[str] = None,
 ) -> dict[str, Path]:
     """compare.json, compare.md and the overlaid plots. `order` says how the runs were taken:
-    "interleaved" (pairs A B, B A, A B ...), "sequential" (all of A's, then all of B's) or "single"."""
+    "interleaved" (pairs A B, B A, A B ...), "sequential" (all of A's, then all of B's) or "single".
+    `incomplete`: why the comparison stopped early (its runs are the pairs completed before)."""
     folder.mkdir(parents=True, exist_ok=True)
     out: dict[str, Path] = {}
     sa = aggregate([r.summary for r in runs_a])
@@ -315,13 +317,16 @@ def write_compare(
                                 for k, v in pairs.items()},
         "runs_started_at": {"a": [r.started_at for r in runs_a], "b": [r.started_at for r in runs_b]},
     }
+    if incomplete is not None:
+        doc["incomplete"] = incomplete
     out["json"] = folder / "compare.json"
     out["json"].write_text(json.dumps(doc, indent=1) + "\n")
     out["markdown"] = folder / "compare.md"
     out["markdown"].write_text(
         f"# sluice bench compare ({spec.kind}): {label_a} vs {label_b}\n\n"
         f"- Command: `{' '.join(command)}`\n- Scenario: {json.dumps(spec.describe())}\n"
-        f"- Workload: {json.dumps(workload.describe())}\n- Repeats: {len(runs_a)} each, order: {order}\n\n"
+        f"- Workload: {json.dumps(workload.describe())}\n- Repeats: {len(runs_a)} each, order: {order}\n"
+        + (f"- **Incomplete**: {incomplete}\n" if incomplete is not None else "") + "\n"
         + compare_table(label_a, runs_a, label_b, runs_b) + "\n"
     )
     series = [(label_a, runs_a), (label_b, runs_b)]
