@@ -42,6 +42,7 @@ def create_scheduler(
     max_waiting_tokens: Optional[int] = None,
     speculative: Optional[SpeculativeConfig] = None,
     starvation_s: Optional[float] = None,
+    admit_backlog_steps: Optional[float] = 2.0,
 ) -> Scheduler:
     """A scheduler over a real BlockPool, driven by a FakeClock (`scheduler.clock`)."""
     config = SchedulerConfig(
@@ -54,6 +55,7 @@ def create_scheduler(
         retention_ttl_s=retention_ttl_s,
         aging_s=aging_s,
         starvation_s=starvation_s,
+        admit_backlog_steps=admit_backlog_steps,
     )
     cache = CacheConfig(block_size=block_size, enable_prefix_caching=enable_prefix_caching)
     return Scheduler(config, cache, num_blocks, clock=FakeClock(), speculative=speculative)

@@ -634,8 +634,9 @@ def test_admissible_workflows_counts_what_each_new_workflow_will_reserve():
     """`admissible_workflows` is how many new workflows fit the headroom one after another: the
     first needs a typical call's blocks, each one after it what a workflow reserves once in (its
     call to max_tokens plus its growth, at least a typical final size). Admitting that many
-    typical first calls leaves the server not accepting, and one fewer leaves it accepting."""
-    s = create_scheduler(num_blocks=400, retention_ttl_s=100.0)
+    typical first calls leaves the server not accepting, and one fewer leaves it accepting. (The
+    prefill-backlog bounds are off here: they have tests of their own.)"""
+    s = create_scheduler(num_blocks=400, retention_ttl_s=100.0, admit_backlog_steps=None)
     call, g, final = s.typical_call_blocks, s.typical_growth_blocks, s.typical_final_blocks
     assert (call, g, final) == (50, 25, 50)
     per = max(call + g, final)                          # 75
@@ -654,7 +655,8 @@ def test_admissible_workflows_counts_what_each_new_workflow_will_reserve():
 
 
 def test_admissible_workflows_respects_the_queue_and_sequence_bounds():
-    s = create_scheduler(num_blocks=4000, max_waiting_requests=3, max_num_seqs=4)
+    s = create_scheduler(num_blocks=4000, max_waiting_requests=3, max_num_seqs=4,
+                         admit_backlog_steps=None)
     assert s.admissible_workflows() == 3                # the queue takes 3 more
     create_request(s, "a", 10, max_tokens=3)
     assert s.admissible_workflows() == 2
@@ -759,7 +761,7 @@ def test_no_new_workflows_while_the_prefill_backlog_fills_two_steps():
     s = create_scheduler(max_num_batched_tokens=100, num_blocks=4000)
     assert s.config.admit_backlog_steps == 2.0
     create_request(s, "a", 150, max_tokens=4, ignore_eos=True)
-    assert s.accepting() and s.admissible_workflows() > 1
+    assert s.accepting() and s.admissible_workflows() == 1   # room for 50 more: one, see below
     create_request(s, "b", 50, max_tokens=4, ignore_eos=True)
     assert s.prefill_backlog() == 200 and not s.accepting() and s.admissible_workflows() == 0
     run_step(s)                                          # 100 computed: 100 left
@@ -769,6 +771,45 @@ def test_no_new_workflows_while_the_prefill_backlog_fills_two_steps():
     s.config = dataclasses.replace(s.config, admit_backlog_steps=None)
     assert s.accepting()
     drain(s)
+    assert_all_released(s)
+
+
+def test_new_workflows_welcome_at_once_are_capped_by_the_backlog_room():
+    """Below the backlog bound, `/load` counts only as many new workflows as the room left under
+    it holds typical first prompts (at least one): each is a prompt every call behind it queues
+    behind, and the client admits the whole count before it probes again. The typical first
+    prompt starts at one token budget and follows the uncached prompt tokens of the first calls
+    of workflows (a running average, then weight 0.1); follow-up calls do not move it."""
+    s = create_scheduler(max_num_batched_tokens=100, num_blocks=4000, retention_ttl_s=100.0)
+    assert s.typical_first_prompt_tokens == 100
+    assert s.admissible_workflows() == 2                   # 200 tokens of room, 100 per workflow
+    s.config = dataclasses.replace(s.config, admit_backlog_steps=None)
+    assert s.admissible_workflows() > 20                   # only the KV bounds it then
+    s.config = dataclasses.replace(s.config, admit_backlog_steps=2.0)
+    shared = unique_prompt(48)                             # three blocks
+    a = create_request(s, "a1", shared + unique_prompt(102), max_tokens=4, ignore_eos=True,
+                       workflow_id="a")
+    assert a.opens_workflow and s.prefill_backlog() == 150
+    assert s.admissible_workflows() == 1                   # 50 of room: still one
+    run_step(s)                                            # a1 admitted: 150 uncached tokens
+    assert s.typical_first_prompt_tokens == 150 and s.prefill_backlog() == 50
+    assert s.admissible_workflows() == 1                   # ceil(150 / 150)
+    drain(s)
+    assert s.prefill_backlog() == 0 and s.admissible_workflows() == 2   # ceil(200 / 150)
+    # A follow-up call of workflow a is not a first prompt, however long.
+    a2 = create_request(s, "a2", a.all_token_ids + unique_prompt(400), max_tokens=4,
+                        ignore_eos=True, workflow_id="a")
+    assert not a2.opens_workflow
+    drain(s)
+    assert s.typical_first_prompt_tokens == 150
+    # Another workflow's first call, its first three blocks cached by a1: 30 tokens to compute.
+    b = create_request(s, "b1", shared + unique_prompt(30), max_tokens=4, ignore_eos=True,
+                       workflow_id="b")
+    assert b.opens_workflow
+    drain(s)
+    assert b.num_cached_tokens == 48
+    assert s.typical_first_prompt_tokens == 150 + (30 - 150) / 2 == 90
+    assert s.admissible_workflows() == 3                   # ceil(200 / 90)
     assert_all_released(s)
 
 

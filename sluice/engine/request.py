@@ -74,6 +74,7 @@ class Request:
         self.ngram_index = None                # speculative decoding's n-gram index (spec_decode.py)
         self.spec_acceptance = 1.0             # moving average of its drafts' acceptance rate
         self.num_new_tokens = 0                # tokens appended by the latest step
+        self.opens_workflow = False            # the first call of its workflow (set by the scheduler)
 
     @property
     def num_tokens(self) -> int:

@@ -99,6 +99,10 @@ class Scheduler:
         # and its output), a moving average: what a retained workflow's next call will need.
         self.typical_growth_blocks = max(1, self.typical_call_blocks // 2)
         self.typical_final_blocks = self.typical_call_blocks   # a workflow's last call
+        # Uncached prompt tokens of a workflow's first call (moving average; before any: one
+        # token budget): what each new workflow `/load` welcomes adds to the prefill backlog.
+        self.typical_first_prompt_tokens = float(config.max_num_batched_tokens)
+        self._first_prompts_seen = 0
         self.num_preemptions = 0
         self._held_workflows: set[str] = set()   # workflows whose num_blocks_held is set
         self.prompt_tokens_total = 0
@@ -143,7 +147,9 @@ class Scheduler:
         (`kv_headroom`): a workflow admitted then would only displace the KV of those already
         running or waiting on a tool. Otherwise as many as fit one after another, each taking
         what a typical workflow reserves once it is in (its call up to max_tokens and its growth
-        to a typical final size).
+        to a typical final size), and, below the prefill-backlog bound, no more than the room left
+        under it holds typical first prompts (uncached tokens of workflows' first calls, a moving
+        average), at least one: each new workflow's prompt is work every call behind it waits for.
 
         A count, not a yes/no, because a router (or `sluice bench --admission load`) cannot see
         its own admissions in `/load` until their calls arrive: admitting on every `accepting`
@@ -157,9 +163,11 @@ class Scheduler:
         # Past `admit_backlog_steps` token budgets of prompt tokens waiting, every step is already
         # full of prefill: a workflow admitted then adds no throughput, only queueing for every
         # call behind it.
-        if (c.admit_backlog_steps is not None
-                and self.prefill_backlog() >= c.admit_backlog_steps * c.max_num_batched_tokens):
-            return 0
+        backlog_room = math.inf
+        if c.admit_backlog_steps is not None:
+            backlog_room = c.admit_backlog_steps * c.max_num_batched_tokens - self.prefill_backlog()
+            if backlog_room <= 0:
+                return 0
         if c.max_active_workflows is not None:
             room = c.max_active_workflows - self.workflows.num_active
             if room <= 0:
@@ -174,6 +182,8 @@ class Scheduler:
             n = min(n, c.max_waiting_requests - len(self.waiting))
         if c.max_active_workflows is not None:
             n = min(n, room)
+        if backlog_room < math.inf:
+            n = min(n, max(1, math.ceil(backlog_room / max(1.0, self.typical_first_prompt_tokens))))
         return max(0, n)
 
     def prefill_backlog(self) -> int:
@@ -245,7 +255,7 @@ class Scheduler:
     def add_request(self, req: Request) -> None:
         now = self.clock()
         self.requests[req.request_id] = req
-        self.workflows.on_call_arrival(req.workflow_id, now)
+        req.opens_workflow = self.workflows.on_call_arrival(req.workflow_id, now).calls == 1
         self.waiting.append(req)
 
     def abort_request(self, request_id: str) -> Optional[Request]:
@@ -353,6 +363,11 @@ class Scheduler:
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = num_hit
                 self.kv.record_lookup(req.num_prompt_tokens, min(num_hit, req.num_prompt_tokens))
+                if req.opens_workflow:
+                    self._first_prompts_seen += 1
+                    w = max(0.1, 1.0 / self._first_prompts_seen)
+                    new = req.num_prompt_tokens - min(num_hit, req.num_prompt_tokens)
+                    self.typical_first_prompt_tokens += w * (new - self.typical_first_prompt_tokens)
             req.num_computed_tokens = num_hit
             wf = self.workflows.workflows.get(req.workflow_id)
             if wf is not None and wf.retention is not None:
