@@ -63,6 +63,10 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-stop-strings", type=int, default=16)
     p.add_argument("--max-logprobs", type=int, default=20, help="bound on logprobs / top_logprobs (default 20)")
     p.add_argument("--log-requests", action="store_true")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="answer tool calls the model writes as `tool_calls` (tool_choice \"auto\"; needs --tool-call-parser)")
+    p.add_argument("--tool-call-parser", default=None, choices=["hermes"],
+                   help="the model's tool-call format: hermes (<tool_call>{json}</tool_call>)")
     p.add_argument("--fault-inject-after-steps", type=int, default=None, help=argparse.SUPPRESS)
 
 
@@ -134,6 +138,8 @@ def build_server_config(args: argparse.Namespace):
         max_stop_strings=args.max_stop_strings,
         max_logprobs=args.max_logprobs,
         log_requests=args.log_requests,
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
+        tool_call_parser=args.tool_call_parser,
         fault_inject_after_steps=args.fault_inject_after_steps,
     )
 
@@ -171,7 +177,11 @@ def main(argv: Optional[list[str]] = None) -> int:
             engine_config = build_engine_config(args)
         except ValueError as e:
             parser.error(str(e))
-        return run_server(engine_config, build_server_config(args)) or 0
+        try:
+            server_config = build_server_config(args)
+        except ValueError as e:
+            parser.error(str(e))
+        return run_server(engine_config, server_config) or 0
     if args.command == "models":
         if args.models_command == "export-hf":
             from sluice.model.gguf_loader import export_hf

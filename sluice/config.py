@@ -164,6 +164,9 @@ class EngineConfig:
     speculative: Optional[SpeculativeConfig] = None  # None: no speculative decoding
 
 
+TOOL_PARSERS = ("hermes",)   # the tool-call formats sluice parses (sluice/server/tool_calls.py)
+
+
 @dataclass(frozen=True)
 class ServerConfig:
     host: str = "127.0.0.1"
@@ -177,6 +180,8 @@ class ServerConfig:
     max_logprobs: int = 20
     shutdown_timeout_s: float = 30.0      # SIGTERM: how long in-flight calls may run before the exit
     log_requests: bool = False
+    enable_auto_tool_choice: bool = False  # parse tool calls out of replies (tool_choice "auto")
+    tool_call_parser: Optional[str] = None  # the model's tool-call format: "hermes"
     fault_inject_after_steps: Optional[int] = None  # tests only: the engine loop fails after N busy steps
 
     def __post_init__(self) -> None:
@@ -184,3 +189,7 @@ class ServerConfig:
             raise ValueError("server bounds must be positive")
         if self.shutdown_timeout_s < 0:
             raise ValueError("shutdown_timeout_s must be >= 0")
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_PARSERS:
+            raise ValueError(f"unknown tool call parser {self.tool_call_parser!r}; choose from {list(TOOL_PARSERS)}")
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("--enable-auto-tool-choice requires --tool-call-parser")

@@ -74,6 +74,12 @@ class LLM:
                     final[out.request_id] = out
         return [final[r] for r in ids]
 
-    def chat(self, messages: list[dict], params: Optional[SamplingParams] = None) -> RequestOutput:
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    def chat(self, messages: list[dict], params: Optional[SamplingParams] = None,
+             tools: Optional[list[dict]] = None) -> RequestOutput:
+        """One chat reply; `tools` (OpenAI's function definitions) are rendered as the server
+        renders them. The reply is text: `sluice.server.tool_calls.parse_tool_calls` finds calls."""
+        from sluice.server.tool_calls import prepare_chat
+
+        messages, tools = prepare_chat(messages, tools, self.tokenizer.info.chat_template)
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=tools)
         return self.generate([self.tokenizer.encode(text, add_special_tokens=False)], params)[0]

@@ -217,6 +217,19 @@ def test_capital_of_france(llm, ref):
     assert_same_as_reference(ref, encode(llm, FRANCE), out, "france")
 
 
+def test_offline_chat_renders_tools_as_the_server_does(llm):
+    """`LLM.chat(..., tools=)`: SmolLM2's template ignores tools, so their signatures go into the
+    system message (sluice/server/tool_calls.py), in place of the template's default one."""
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    one = SamplingParams(temperature=0.0, max_tokens=1)
+    plain = llm.tokenizer.decode(llm.chat(FRANCE, one).prompt_token_ids, skip_special_tokens=False)
+    with_tools = llm.tokenizer.decode(llm.chat(FRANCE, one, tools=tools).prompt_token_ids, skip_special_tokens=False)
+    assert "<tools>" not in plain and "named SmolLM" in plain
+    assert '<tools>\n{"type": "function", "function": {"name": "get_weather"' in with_tools
+    assert "named SmolLM" not in with_tools and with_tools.endswith(plain[plain.index("<|im_start|>user"):])
+    assert_drained(llm)
+
+
 def test_each_prompt_alone(llm, ref, prompt_ids):
     for name, ids in prompt_ids.items():
         [out] = llm.generate([ids], GREEDY)

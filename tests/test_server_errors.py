@@ -83,6 +83,8 @@ BAD_CHAT = {
     "presence_penalty_out_of_range": (chat(presence_penalty=3.0), None),
     "min_tokens_above_max_tokens": (chat(min_tokens=10, max_tokens=4), None),
     "streaming_bad_request": (chat(stream=True, temperature=-1), None),
+    # Tool calls are parsed only by a server started with --enable-auto-tool-choice.
+    "tools_without_auto_tool_choice": (chat(tools=[{"type": "function", "function": {"name": "f"}}]), "tool_choice"),
 }
 
 BAD_COMPLETION = {
@@ -182,6 +184,13 @@ def test_request_too_large(http: httpx.Client) -> None:
 def test_wrong_method_and_unknown_route(http: httpx.Client) -> None:
     assert_openai_error(http.get("/chat/completions"), 405)
     assert_openai_error(http.post("/embeddings", json={}), 404)
+
+
+def test_tools_with_tool_choice_none_need_no_parser(http: httpx.Client) -> None:
+    body = chat(tools=[{"type": "function", "function": {"name": "f"}}], tool_choice="none")
+    resp = http.post("/chat/completions", json=body)
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["choices"][0]["message"]["tool_calls"] == []
 
 
 def test_model_field_may_be_omitted(http: httpx.Client) -> None:

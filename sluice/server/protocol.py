@@ -180,10 +180,49 @@ class ContentPart(OpenAIRequestModel):
     text: Optional[str] = None
 
 
+_FUNCTION_NAME = r"^[a-zA-Z0-9_-]{1,64}$"   # OpenAI's rule for function names
+
+
+class FunctionDefinition(OpenAIRequestModel):
+    name: str = Field(..., pattern=_FUNCTION_NAME)
+    description: Optional[str] = None
+    parameters: Optional[dict[str, Any]] = None
+    strict: Optional[bool] = None
+
+
+class ChatTool(OpenAIRequestModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(OpenAIRequestModel):
+    name: str
+
+
+class NamedToolChoice(OpenAIRequestModel):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class MessageFunctionCall(OpenAIRequestModel):
+    name: str
+    arguments: Union[str, dict[str, Any]] = "{}"
+
+
+class MessageToolCall(OpenAIRequestModel):
+    """A call in an assistant message of the history (as the API answered it)."""
+
+    id: Optional[str] = None
+    type: Literal["function"] = "function"
+    function: MessageFunctionCall
+
+
 class ChatMessage(OpenAIRequestModel):
     role: str = documented(..., enum=sorted(CHAT_ROLES))
     content: Optional[Union[str, list[ContentPart]]] = None
     name: Optional[str] = None
+    tool_calls: Optional[list[MessageToolCall]] = None     # assistant messages
+    tool_call_id: Optional[str] = None                    # tool messages
 
     @field_validator("role")
     @classmethod
@@ -225,6 +264,9 @@ class ChatCompletionRequest(SamplingRequest):
     max_completion_tokens: Optional[int] = documented(minimum=1)
     logprobs: Optional[bool] = False
     top_logprobs: Optional[int] = documented(minimum=0)
+    tools: Optional[list[ChatTool]] = None
+    tool_choice: Optional[Union[Literal["none", "auto", "required"], NamedToolChoice]] = None
+    parallel_tool_calls: Optional[bool] = True
 
     @field_validator("messages")
     @classmethod
@@ -307,9 +349,21 @@ class ChatLogprobs(BaseModel):
     content: Optional[list[ChatTokenLogprob]] = None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str                       # a JSON object
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: Optional[str] = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatCompletionChoice(BaseModel):
@@ -329,12 +383,27 @@ class ChatCompletionResponse(BaseModel):
     usage: UsageInfo
 
 
+class DeltaFunctionCall(BaseModel):
+    name: str
+    arguments: str
+
+
+class DeltaToolCall(BaseModel):
+    """A whole call in one chunk: sluice sends a call once its block is complete."""
+
+    index: int                           # the call's position in the message
+    id: str
+    type: Literal["function"] = "function"
+    function: DeltaFunctionCall
+
+
 class DeltaMessage(BaseModel):
-    """Only the fields a chunk carries: `{"role": "assistant", "content": ""}`, `{"content": "..."}`
-    or `{}` (the chunk with the finish reason)."""
+    """Only the fields a chunk carries: `{"role": "assistant", "content": ""}`, `{"content": "..."}`,
+    `{"tool_calls": [...]}` or `{}` (the chunk with the finish reason)."""
 
     role: Optional[Literal["assistant"]] = None
     content: Optional[str] = None
+    tool_calls: Optional[list[DeltaToolCall]] = None
 
     @model_serializer(mode="wrap")
     def _drop_none(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:

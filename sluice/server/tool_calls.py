@@ -1,0 +1,213 @@
+"""Tool calling for /v1/chat/completions: putting the tools in the prompt, and parsing the calls
+out of the model's text (`--enable-auto-tool-choice --tool-call-parser hermes`, vLLM's flags).
+
+The "hermes" format (Hermes 2 Pro, Qwen 2.5 and later, and many fine-tunes): the model answers a
+call as a JSON object `{"name": ..., "arguments": {...}}` between `<tool_call>` and `</tool_call>`,
+one such block per call, possibly after some text. Everything outside the blocks is the message's
+content.
+
+Prompting: a chat template that knows about tools (it reads `tools`, and renders assistant
+`tool_calls`) is given them as they are. A template that does not (SmolLM2's plain ChatML, for
+one) would silently drop them, so sluice then writes the same format into the messages itself:
+the tool signatures and the calling convention into the system message, an assistant message's
+`tool_calls` as `<tool_call>` blocks after its content, and a tool result between
+`<tool_response>` tags.
+
+Streaming: text is held back only while it could be the start of a `<tool_call>` tag; each call
+is sent as one delta (id, name and the whole arguments string) once its block is closed, which
+the OpenAI client accumulates like any other split.
+"""
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass
+from typing import Any, Optional
+
+TOOL_CALL_START = "<tool_call>"
+TOOL_CALL_END = "</tool_call>"
+
+
+def tool_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+@dataclass
+class ParsedToolCall:
+    name: str
+    arguments: str      # a JSON object, as OpenAI sends it
+
+
+def parse_call_body(body: str) -> Optional[ParsedToolCall]:
+    """One block's JSON, or None when it is not a call (not JSON, no string `name`, arguments
+    neither an object nor a JSON string of one)."""
+    try:
+        obj = json.loads(body)
+    except (json.JSONDecodeError, RecursionError):
+        return None
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
+        return None
+    args = obj.get("arguments", obj.get("parameters", {}))
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except (json.JSONDecodeError, RecursionError):
+            return None
+    if not isinstance(args, dict):
+        return None
+    return ParsedToolCall(obj["name"], json.dumps(args, ensure_ascii=False))
+
+
+def parse_tool_calls(text: str) -> tuple[Optional[str], list[ParsedToolCall]]:
+    """A whole reply: its content (None when only calls) and its calls, in order. A block that
+    does not parse stays in the content as written; an unclosed last block is parsed up to the end
+    of the text (a model that stopped at its end-of-turn token without the closing tag)."""
+    stream = ToolCallStream()
+    events = stream.feed(text) + stream.finish()
+    content = "".join(e for e in events if isinstance(e, str))
+    calls = [e for e in events if isinstance(e, ParsedToolCall)]
+    if calls and not content.strip():
+        return None, calls
+    return content, calls
+
+
+class ToolCallStream:
+    """Incremental hermes parsing: `feed(delta)` and at the end `finish()` each return the events
+    that are certain so far, in order: content strings and `ParsedToolCall`s. Concatenating the
+    events of any split of a text gives what the whole text gives."""
+
+    def __init__(self) -> None:
+        self._pending = ""          # text not yet emitted
+        self._in_call = False       # inside a <tool_call> block (its opening tag consumed)
+
+    def feed(self, delta: str) -> list[Any]:
+        self._pending += delta
+        events: list[Any] = []
+        while True:
+            if self._in_call:
+                end = self._pending.find(TOOL_CALL_END)
+                if end < 0:
+                    return events
+                body = self._pending[:end]
+                self._pending = self._pending[end + len(TOOL_CALL_END):]
+                self._in_call = False
+                call = parse_call_body(body.strip())
+                events.append(call if call is not None else TOOL_CALL_START + body + TOOL_CALL_END)
+                continue
+            start = self._pending.find(TOOL_CALL_START)
+            if start >= 0:
+                if start:
+                    events.append(self._pending[:start])
+                self._pending = self._pending[start + len(TOOL_CALL_START):]
+                self._in_call = True
+                continue
+            keep = _partial_tag_suffix(self._pending)
+            if len(self._pending) > keep:
+                events.append(self._pending[:len(self._pending) - keep])
+                self._pending = self._pending[len(self._pending) - keep:]
+            return events
+
+    def finish(self) -> list[Any]:
+        pending, self._pending = self._pending, ""
+        if not self._in_call:
+            return [pending] if pending else []
+        self._in_call = False
+        call = parse_call_body(pending.strip())
+        return [call] if call is not None else [TOOL_CALL_START + pending]
+
+
+def _partial_tag_suffix(text: str) -> int:
+    """The length of the longest end of `text` that is a proper prefix of the opening tag."""
+    for k in range(min(len(text), len(TOOL_CALL_START) - 1), 0, -1):
+        if TOOL_CALL_START.startswith(text[-k:]):
+            return k
+    return 0
+
+
+# --- prompting ------------------------------------------------------------------------------------
+
+def template_handles_tools(template_source: Optional[str]) -> bool:
+    """Whether a chat template renders `tools` itself (HF templates that support tool use read the
+    `tools` variable); otherwise sluice writes them into the messages (`messages_with_tools`)."""
+    return bool(template_source) and "tools" in template_source
+
+
+def _system_prompt(tools: list[dict[str, Any]]) -> str:
+    signatures = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
+    return (
+        "# Tools\n\n"
+        "You may call one or more functions to help with the user's request. The functions you can "
+        "call are described by the JSON signatures between <tools> and </tools>:\n"
+        f"<tools>\n{signatures}\n</tools>\n\n"
+        "To call a function, answer with a JSON object of its name and arguments between "
+        "<tool_call> and </tool_call>, one block per call:\n"
+        "<tool_call>\n{\"name\": <function-name>, \"arguments\": <arguments-as-a-JSON-object>}\n</tool_call>"
+    )
+
+
+def _render_call(call: dict[str, Any]) -> str:
+    fn = call.get("function") or {}
+    return (TOOL_CALL_START + "\n"
+            + json.dumps({"name": fn.get("name"), "arguments": fn.get("arguments")}, ensure_ascii=False)
+            + "\n" + TOOL_CALL_END)
+
+
+def messages_with_tools(messages: list[dict[str, Any]], tools: Optional[list[dict[str, Any]]],
+                        ) -> list[dict[str, Any]]:
+    """The hermes convention written into plain messages, for a template that ignores tools: the
+    signatures in the system message (one is added first if there is none), assistant calls as
+    `<tool_call>` blocks, tool results between `<tool_response>` tags. `arguments` must already be
+    objects (see `arguments_as_objects`)."""
+    out = [dict(m) for m in messages]
+    for m in out:
+        if m.get("role") == "assistant" and m.get("tool_calls"):
+            blocks = "\n".join(_render_call(c) for c in m["tool_calls"])
+            m["content"] = (m.get("content") or "") + ("\n" if m.get("content") else "") + blocks
+        elif m.get("role") == "tool":
+            m["content"] = f"<tool_response>\n{m.get('content') or ''}\n</tool_response>"
+    if tools:
+        prompt = _system_prompt(tools)
+        if out and out[0].get("role") in ("system", "developer"):
+            first = out[0]
+            first["content"] = (first.get("content") or "") + ("\n\n" if first.get("content") else "") + prompt
+        else:
+            out.insert(0, {"role": "system", "content": prompt})
+    return out
+
+
+def prepare_chat(messages: list[dict[str, Any]], tools: Optional[list[dict[str, Any]]],
+                 template_source: Optional[str]) -> tuple[list[dict[str, Any]], Optional[list[dict[str, Any]]]]:
+    """The messages and tools to render with a chat template: calls' arguments as objects, and for
+    a template that ignores tools, tools and calls written into the messages (hermes convention).
+    Raises ValueError for a call in the history whose arguments are not a JSON object."""
+    messages = arguments_as_objects(messages)
+    if template_handles_tools(template_source):
+        return messages, tools
+    return messages_with_tools(messages, tools), None
+
+
+def arguments_as_objects(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """OpenAI sends an assistant call's `arguments` as a JSON string; chat templates (and the hermes
+    blocks above) expect the object. Raises ValueError for arguments that are not a JSON object."""
+    out = []
+    for m in messages:
+        if m.get("role") == "assistant" and m.get("tool_calls"):
+            m = dict(m)
+            calls = []
+            for c in m["tool_calls"]:
+                c = dict(c)
+                fn = dict(c.get("function") or {})
+                args = fn.get("arguments")
+                if isinstance(args, str):
+                    try:
+                        args = json.loads(args) if args.strip() else {}
+                    except json.JSONDecodeError as e:
+                        raise ValueError(f"tool call arguments are not JSON: {e}") from None
+                if not isinstance(args, dict):
+                    raise ValueError("tool call arguments must be a JSON object")
+                fn["arguments"] = args
+                c["function"] = fn
+                calls.append(c)
+            m["tool_calls"] = calls
+        out.append(m)
+    return out
