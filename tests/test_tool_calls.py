@@ -149,3 +149,20 @@ def test_an_assistant_calls_arguments_must_be_a_json_object():
         arguments_as_objects(history("{oops"))
     with pytest.raises(ValueError, match="JSON object"):
         arguments_as_objects(history("[1]"))
+
+
+def test_the_server_flags_are_checked_at_startup():
+    import argparse
+
+    from sluice.cli import add_server_args, build_server_config
+    from sluice.config import ServerConfig
+
+    parser = argparse.ArgumentParser()
+    add_server_args(parser)
+    cfg = build_server_config(parser.parse_args(["--enable-auto-tool-choice", "--tool-call-parser", "hermes"]))
+    assert cfg.enable_auto_tool_choice and cfg.tool_call_parser == "hermes"
+    assert not build_server_config(parser.parse_args([])).enable_auto_tool_choice
+    with pytest.raises(ValueError, match="requires --tool-call-parser"):
+        build_server_config(parser.parse_args(["--enable-auto-tool-choice"]))
+    with pytest.raises(ValueError, match="unknown tool call parser"):
+        ServerConfig(tool_call_parser="pythonic")
