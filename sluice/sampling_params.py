@@ -1,10 +1,58 @@
 """Per-request sampling parameters, with OpenAI semantics and the usual engine extensions."""
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional, Union
 
 _MAX_LOGPROBS = 20
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """Constrain a request's output to a language (vLLM's `structured_outputs`): exactly one of
+    a JSON schema, any JSON object, a regular expression, a choice of strings, or a grammar (Lark
+    or GBNF). The engine turns it into a token mask at every step (engine/structured_output.py)."""
+
+    json: Optional[Union[str, dict[str, Any]]] = None   # a JSON schema (an object or its text)
+    json_object: bool = False                          # any JSON object
+    regex: Optional[str] = None
+    choice: Optional[tuple[str, ...]] = None
+    grammar: Optional[str] = None                       # Lark or GBNF (llama.cpp's grammar format)
+
+    def __post_init__(self) -> None:
+        if self.choice is not None and not isinstance(self.choice, tuple):
+            object.__setattr__(self, "choice", tuple(self.choice))
+        set_ = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        set_ += ["json_object"] if self.json_object else []
+        if len(set_) != 1:
+            raise ValueError("structured outputs take exactly one of json, json_object, regex, choice "
+                             f"and grammar; got {set_ or 'none'}")
+        if self.choice is not None and (not self.choice or not all(isinstance(c, str) and c for c in self.choice)):
+            raise ValueError("structured outputs: choice must be a non-empty list of non-empty strings")
+        if isinstance(self.json, str):
+            try:
+                parsed = json.loads(self.json)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"structured outputs: json is not a valid JSON schema text: {e}") from e
+            if not isinstance(parsed, (dict, bool)):
+                raise ValueError("structured outputs: a JSON schema must be an object")
+        elif self.json is not None and not isinstance(self.json, dict):
+            raise ValueError("structured outputs: a JSON schema must be an object")
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in ("json", "json_object", "regex", "choice", "grammar") if getattr(self, k))
+
+    def key(self) -> tuple[str, str]:
+        """A canonical identity, for caching compiled grammars."""
+        value = getattr(self, self.kind)
+        if self.kind == "json":
+            value = json.loads(value) if isinstance(value, str) else value
+            return "json", json.dumps(value, sort_keys=True, separators=(",", ":"))
+        if self.kind == "choice":
+            return "choice", json.dumps(list(value))
+        return self.kind, "" if value is True else value
 
 
 @dataclass
@@ -26,6 +74,7 @@ class SamplingParams:
     logprobs: Optional[int] = None  # number of top logprobs per output token (0: only the chosen)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    structured_outputs: Optional[StructuredOutputsParams] = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -58,6 +107,9 @@ class SamplingParams:
             raise ValueError("min_tokens must be non-negative")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError("min_tokens must not exceed max_tokens")
+        if self.structured_outputs is not None and self.min_tokens > 0:
+            raise ValueError("min_tokens cannot be combined with structured outputs: the grammar decides "
+                             "where the output may end")
         if self.logprobs is not None and not 0 <= self.logprobs <= _MAX_LOGPROBS:
             raise ValueError(f"logprobs must be in [0, {_MAX_LOGPROBS}]")
 

@@ -22,6 +22,7 @@ from sluice.engine.model_runner import ModelRunner
 from sluice.engine.request import Request, RequestStatus
 from sluice.engine.scheduler import Scheduler, SchedulerOutput
 from sluice.engine.stats import EngineStats
+from sluice.engine.structured_output import GrammarCompiler
 from sluice.model.loader import load_model, load_tokenizer
 from sluice.outputs import CompletionOutput, Logprob, RequestOutput
 from sluice.sampling_params import SamplingParams
@@ -95,6 +96,7 @@ class LLMEngine:
         self.runner = ModelRunner(config, model, num_blocks, plan.state)
         self.eos_token_ids = tuple(dict.fromkeys(self.tokenizer.eos_token_ids + config.model.eos_token_ids))
         self.vocab_size = config.model.vocab_size
+        self.grammars = GrammarCompiler(self.tokenizer.info.tokenizer_json, self.vocab_size, self.eos_token_ids)
         self._groups: dict[str, _Group] = {}
         self._child_to_group: dict[str, str] = {}
         self._pending: list[RequestOutput] = []   # outputs produced outside a step (aborts)
@@ -118,6 +120,12 @@ class LLMEngine:
                 self.scheduler.check_fits(prompt_len, 1)
         self.scheduler.check_fits(prompt_len, max_tokens)
         self.scheduler.check_admission(params.n, params.n * prompt_len)
+        grammar = None
+        if params.structured_outputs is not None:
+            try:
+                grammar = self.grammars.compile(params.structured_outputs)  # cached when the server checked it
+            except ValueError as e:
+                raise RequestRejected(str(e), param="structured_outputs") from e
 
         now = arrival_time if arrival_time is not None else self.clock()
         workflow = workflow or WorkflowInfo()
@@ -128,7 +136,8 @@ class LLMEngine:
             if params.seed is not None:
                 generator = torch.Generator().manual_seed(params.seed + i)
             req = Request(child_id, prompt_token_ids, params, max_tokens, now, self.eos_token_ids,
-                          workflow.workflow_id, workflow.is_last_step, generator)
+                          workflow.workflow_id, workflow.is_last_step, generator,
+                          grammar.new_state() if grammar is not None else None)
             detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.skip_special_tokens,
                                            params.stop, params.include_stop_str_in_output)
             want_lp = params.logprobs is not None
@@ -236,6 +245,8 @@ class LLMEngine:
                     req.stop_reason = sample.detok.stop_reason
                     req.status = RequestStatus.FINISHED_STOPPED
             sample.delta_text += delta
+            if req.error is not None:
+                group.error = req.error
             if req.is_finished:
                 sample.finish_reason = req.status.value
                 sample.stop_reason = req.stop_reason

@@ -130,14 +130,15 @@ class ModelRunner:
     @staticmethod
     def _rows(req: Request, drafts) -> list[SamplingRow]:
         """The sampling rows of a request: one, or one per verified position, each seeing the
-        drafts before it as generated output."""
-        rows = [SamplingRow(params=req.params, prompt_token_ids=req.prompt_token_ids,
-                            output_token_ids=req.output_token_ids, generator=req.generator,
-                            suppress_token_ids=req.suppressed_token_ids())]
-        for i in range(1, len(drafts) + 1):
+        drafts before it as generated output (and, with structured outputs, the grammar's mask
+        after them)."""
+        masks = req.grammar.masks(drafts) if req.grammar is not None else None
+        rows = []
+        for i in range(len(drafts) + 1):
             rows.append(SamplingRow(params=req.params, prompt_token_ids=req.prompt_token_ids,
-                                    output_token_ids=[*req.output_token_ids, *drafts[:i]],
-                                    generator=req.generator, suppress_token_ids=req.suppressed_token_ids(i)))
+                                    output_token_ids=[*req.output_token_ids, *drafts[:i]] if i else req.output_token_ids,
+                                    generator=req.generator, suppress_token_ids=req.suppressed_token_ids(i),
+                                    token_mask=masks[i] if masks is not None else None))
         return rows
 
     def _prepare(self, scheduled: list[tuple[Request, int]], spec: Optional[dict[str, list[int]]] = None

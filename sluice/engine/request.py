@@ -7,6 +7,7 @@ from typing import Optional
 import torch
 
 from sluice.engine.block_pool import Block, BlockHash
+from sluice.engine.structured_output import GrammarState
 from sluice.sampling_params import SamplingParams
 
 
@@ -42,6 +43,7 @@ class Request:
         workflow_id: Optional[str] = None,
         is_last_step: bool = False,
         generator: Optional[torch.Generator] = None,
+        grammar: Optional[GrammarState] = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -53,6 +55,7 @@ class Request:
         self.has_named_workflow = workflow_id is not None
         self.is_last_step = is_last_step
         self.generator = generator
+        self.grammar = grammar                 # structured outputs: advances with every output token
 
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(prompt_token_ids)
@@ -107,10 +110,14 @@ class Request:
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+        if self.grammar is not None and not self.grammar.consume(token_id):
+            self.error = f"structured outputs: the grammar rejected token {token_id}: {self.grammar.error}"
 
     def drop_output_tail(self, k: int) -> None:
         """Forget the last k output tokens (speculated past a stop string: never produced)."""
         if k > 0:
+            if self.grammar is not None and self.error is None:
+                self.grammar.rollback(k)
             del self.output_token_ids[-k:]
             del self.all_token_ids[-k:]
             self.num_computed_tokens = min(self.num_computed_tokens, self.num_tokens)
@@ -119,6 +126,12 @@ class Request:
         """Token-level stop conditions after a token was appended (stop strings are checked later)."""
         tok = self.output_token_ids[-1]
         n = self.num_output_tokens
+        if self.grammar is not None:
+            if self.error is not None:
+                return RequestStatus.FINISHED_ERROR
+            if self.grammar.is_stopped:      # the output is complete (its end token, if any, taken)
+                self.stop_reason = None
+                return RequestStatus.FINISHED_STOPPED
         if n >= self.params.min_tokens:
             if not self.params.ignore_eos and tok in self.eos_token_ids:
                 self.stop_reason = None

@@ -7,7 +7,8 @@ Order of operations, as in vLLM's sampler:
 2. penalties: repetition penalty over prompt + output tokens (HF/vLLM: a positive logit is
    divided by it, a negative one multiplied), then OpenAI's frequency and presence penalties over
    output tokens: `logit -= frequency_penalty * count + presence_penalty * (count > 0)`.
-3. suppression of `suppress_token_ids` (logit -inf).
+3. suppression of `suppress_token_ids` (logit -inf), then structured outputs' token masks
+   (a disallowed token's logit -inf).
 4. greedy rows take the argmax of the result; the other rows go through temperature, top-k,
    top-p and min-p, then sample with an exponential race `argmax(probs / q)`, q ~ Exp(1).
 
@@ -22,6 +23,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
+from sluice.engine.structured_output import apply_token_masks
 from sluice.outputs import Logprob
 from sluice.sampling_params import SamplingParams
 
@@ -35,6 +37,7 @@ class SamplingRow:
     output_token_ids: Sequence[int]           # tokens generated so far by this sequence
     generator: Optional[torch.Generator]      # seeded from params.seed, on the logits' device; or None
     suppress_token_ids: Sequence[int] = ()    # ids not to sample now (EOS/stop ids before min_tokens)
+    token_mask: Optional[torch.Tensor] = None  # structured outputs: [ceil(V / 32)] int32 bitmask of allowed ids
 
 
 @dataclass
@@ -66,6 +69,7 @@ class Sampler:
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None  # [B, V]
         apply_penalties(logits, rows)
         apply_suppression(logits, rows)
+        apply_masks(logits, rows)
 
         device = logits.device
         token_ids = torch.empty(len(rows), dtype=torch.long, device=device)  # [B]
@@ -88,7 +92,8 @@ def _has_penalties(p: SamplingParams) -> bool:
 
 def _is_plain_greedy(row: SamplingRow) -> bool:
     p = row.params
-    return p.greedy and p.logprobs is None and not row.suppress_token_ids and not _has_penalties(p)
+    return (p.greedy and p.logprobs is None and not row.suppress_token_ids and row.token_mask is None
+            and not _has_penalties(p))
 
 
 def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
@@ -131,6 +136,17 @@ def apply_suppression(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None
         return
     index = torch.tensor(pairs, dtype=torch.long, device=logits.device)  # [N, 2]
     logits[index[:, 0], index[:, 1]] = float("-inf")
+
+
+def apply_masks(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
+    """Structured outputs: -inf in logits [B, V] for every token a row's bitmask disallows."""
+    masked = [i for i, r in enumerate(rows) if r.token_mask is not None]
+    if not masked:
+        return
+    index = torch.tensor(masked, dtype=torch.long, device=logits.device)
+    sub = logits.index_select(0, index)
+    apply_token_masks(sub, torch.stack([rows[i].token_mask for i in masked]).to(logits.device))
+    logits.index_copy_(0, index, sub)
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> None:

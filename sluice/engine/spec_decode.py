@@ -75,7 +75,10 @@ class NgramProposer:
         index = req.ngram_index
         if index is None:
             index = req.ngram_index = NgramIndex(self.config.prompt_lookup_min, self.config.prompt_lookup_max)
-        return index.propose(req.all_token_ids, k)
+        drafts = index.propose(req.all_token_ids, k)
+        if drafts and req.grammar is not None:   # structured outputs: only what the grammar allows
+            drafts = drafts[:req.grammar.valid_prefix(drafts)]
+        return drafts
 
 
 def accept(drafts: Sequence[int], sampled: Sequence[int]) -> list[int]:

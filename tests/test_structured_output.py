@@ -1,0 +1,229 @@
+"""Structured outputs' pieces on hand-built inputs: the params, the compiler and its cache, the
+grammar state's masks (now and after drafts), the bitmask arithmetic and the sampler's use of it.
+
+The grammars run on SmolLM2's real tokenizer (a 49,152-token BPE vocabulary), since what a mask
+allows depends on how the vocabulary splits text. Whole-model runs are in test_model_smollm2.py
+and through the server in test_server_structured.py.
+"""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from sluice.engine.sampler import Sampler, SamplingRow
+from sluice.engine.spec_decode import NgramProposer
+from sluice.engine.structured_output import (
+    GrammarCompiler,
+    allowed_tokens,
+    apply_token_masks,
+    mask_words,
+)
+from sluice.config import SpeculativeConfig
+from sluice.sampling_params import SamplingParams, StructuredOutputsParams as SO
+
+try:
+    from sluice.model.default import ensure_default_model
+    MODEL = ensure_default_model()
+except Exception:  # noqa: BLE001 -- the default-model helper is optional here
+    MODEL = Path("/root/.cache/sluice/models/SmolLM2-135M-Instruct.Q4_1.gguf")
+
+VOCAB = 49152
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    if not Path(MODEL).is_file():
+        pytest.skip(f"{MODEL} is not available")
+    from sluice.model.loader import load_tokenizer
+
+    return load_tokenizer(Path(MODEL))
+
+
+@pytest.fixture(scope="module")
+def compiler(tokenizer) -> GrammarCompiler:
+    return GrammarCompiler(tokenizer.info.tokenizer_json, VOCAB, tokenizer.eos_token_ids)
+
+
+def allowed(mask: torch.Tensor) -> set[int]:
+    return set(allowed_tokens(mask.unsqueeze(0), VOCAB)[0].nonzero().flatten().tolist())
+
+
+def texts(tokenizer, ids) -> set[str]:
+    return {tokenizer.decode([i], skip_special_tokens=False) for i in ids}
+
+
+# --- the params --------------------------------------------------------------------------------
+@pytest.mark.parametrize("kwargs, message", [
+    ({}, "exactly one"),
+    ({"regex": "a", "choice": ["a"]}, "exactly one"),
+    ({"json": {"type": "object"}, "json_object": True}, "exactly one"),
+    ({"choice": []}, "non-empty"),
+    ({"choice": ["a", ""]}, "non-empty"),
+    ({"json": "{not json"}, "not a valid JSON schema text"),
+    ({"json": "[1, 2]"}, "must be an object"),
+])
+def test_params_take_exactly_one_valid_constraint(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        SO(**kwargs)
+
+
+def test_params_key_is_canonical():
+    a = SO(json={"type": "object", "properties": {"a": {"type": "string"}}})
+    b = SO(json='{"properties": {"a": {"type": "string"}}, "type": "object"}')
+    assert a.key() == b.key() and a.kind == "json"
+    assert SO(choice=["x", "y"]).key() != SO(choice=["y", "x"]).key()
+    assert SO(json_object=True).kind == "json_object"
+
+
+def test_min_tokens_is_refused_with_structured_outputs():
+    with pytest.raises(ValueError, match="min_tokens"):
+        SamplingParams(min_tokens=2, structured_outputs=SO(regex="a+"))
+
+
+# --- the compiler -------------------------------------------------------------------------------
+@pytest.mark.parametrize("spec, message", [
+    (SO(regex="[0-9"), "invalid regular expression"),
+    (SO(json={"type": "foo"}), "invalid JSON schema"),
+    (SO(grammar="start: undefined_rule"), "invalid grammar"),
+    (SO(grammar="this is not a grammar ::= ["), "invalid grammar"),
+])
+def test_invalid_specs_raise_value_errors(compiler, spec, message):
+    with pytest.raises(ValueError, match=message):
+        compiler.compile(spec)
+
+
+def test_compiled_grammars_are_cached_by_their_canonical_text(compiler):
+    a = compiler.compile(SO(json={"type": "object", "required": ["a"]}))
+    b = compiler.compile(SO(json='{"required": ["a"], "type": "object"}'))
+    assert a is b
+    assert compiler.compile(SO(json={"type": "array"})) is not a
+
+
+def test_cache_is_bounded(tokenizer):
+    small = GrammarCompiler(tokenizer.info.tokenizer_json, VOCAB, tokenizer.eos_token_ids, cache_size=2)
+    first = small.compile(SO(regex="a"))
+    small.compile(SO(regex="b"))
+    assert small.compile(SO(regex="a")) is first     # a hit moves it to the back
+    small.compile(SO(regex="c"))                       # evicts "b", the least recently used
+    assert small.compile(SO(regex="a")) is first
+    assert len(small._cache) == 2
+
+
+# --- masks --------------------------------------------------------------------------------------
+def test_choice_mask_allows_exactly_the_prefixes_of_the_choices(compiler, tokenizer):
+    state = compiler.compile(SO(choice=["yes", "no"])).new_state()
+    first = allowed(state.masks()[0])
+    assert first and all(("yes".startswith(t) or "no".startswith(t)) and t for t in texts(tokenizer, first))
+    assert {tokenizer.encode("yes", add_special_tokens=False)[0],
+            tokenizer.encode("no", add_special_tokens=False)[0]} <= first
+    for tok in tokenizer.encode("yes", add_special_tokens=False):
+        assert state.consume(tok)
+    assert state.is_stopped and state.error is None
+
+
+def test_a_disallowed_token_puts_the_state_in_error(compiler, tokenizer):
+    state = compiler.compile(SO(regex="[0-9]+")).new_state()
+    assert not state.consume(tokenizer.encode("x", add_special_tokens=False)[0])
+    assert state.error is not None
+
+
+def test_masks_after_drafts_equal_masks_of_states_that_consumed_them(compiler, tokenizer):
+    grammar = compiler.compile(SO(regex=r"[0-9]{3}-[0-9]{4}"))
+    drafts = tokenizer.encode("123-45", add_special_tokens=False)
+    state = grammar.new_state()
+    masks = state.masks(drafts)
+    assert masks.shape == (len(drafts) + 1, mask_words(VOCAB))
+    for i in range(len(drafts) + 1):
+        ref = grammar.new_state()
+        for tok in drafts[:i]:
+            assert ref.consume(tok)
+        assert torch.equal(masks[i], ref.masks()[0]), i
+    # the state itself did not move: its mask is still the first one
+    assert torch.equal(state.masks()[0], masks[0])
+    digits = texts(tokenizer, allowed(masks[3]))
+    assert digits == {"-"}, digits
+
+
+def test_valid_prefix_stops_at_the_first_token_the_grammar_refuses(compiler, tokenizer):
+    state = compiler.compile(SO(regex=r"[0-9]{3}-[0-9]{4}")).new_state()
+    good = tokenizer.encode("12", add_special_tokens=False)
+    bad = tokenizer.encode("x", add_special_tokens=False)
+    assert state.valid_prefix(good + bad + good) == len(good)
+    assert state.valid_prefix([]) == 0
+    assert state.error is None and torch.equal(state.masks()[0], compiler.compile(
+        SO(regex=r"[0-9]{3}-[0-9]{4}")).new_state().masks()[0])
+
+
+def test_end_of_sequence_is_the_only_token_once_the_output_is_complete(compiler, tokenizer):
+    state = compiler.compile(SO(json={"type": "object", "properties": {"a": {"type": "integer"}},
+                                      "required": ["a"], "additionalProperties": False})).new_state()
+    for tok in tokenizer.encode('{"a": 7', add_special_tokens=False):
+        assert state.consume(tok), tok
+    after_number = texts(tokenizer, allowed(state.masks()[0]))
+    assert "}" in after_number and "x" not in after_number
+    for tok in tokenizer.encode("}", add_special_tokens=False):
+        assert state.consume(tok)
+    eos = tokenizer.eos_token_ids[0]
+    assert allowed(state.masks()[0]) == {eos}
+    assert state.consume(eos) and state.is_stopped
+
+
+def test_proposer_cuts_drafts_to_what_the_grammar_allows(compiler, tokenizer):
+    class Req:   # what NgramProposer reads of a request
+        def __init__(self, ids, grammar):
+            self.all_token_ids, self.grammar, self.ngram_index = ids, grammar, None
+
+    text = "123-4567 and 123-4567 and 123"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    proposer = NgramProposer(SpeculativeConfig(num_speculative_tokens=6))
+    free = proposer.propose(Req(list(ids), None), 6)
+    assert len(free) == 6
+    state = compiler.compile(SO(regex=r"[0-9]{3}-[0-9]{4}")).new_state()
+    for tok in tokenizer.encode("123", add_special_tokens=False):
+        assert state.consume(tok)
+    cut = proposer.propose(Req(list(ids), state), 6)
+    assert cut == free[:state.valid_prefix(free)]
+    assert 0 < len(cut) < len(free)   # "-4567" is allowed, " and" is not
+    assert re.fullmatch(r"-[0-9]{4}", tokenizer.decode(cut))
+
+
+# --- bitmasks and the sampler -------------------------------------------------------------------
+def _bitmask(ids: list[int], vocab: int) -> torch.Tensor:
+    words = [0] * mask_words(vocab)
+    for t in ids:
+        words[t // 32] |= 1 << (t % 32)
+    return torch.tensor([w - (1 << 32) if w >= 1 << 31 else w for w in words], dtype=torch.int32)
+
+
+def test_bitmask_unpacking_on_hand_built_masks():
+    ids = [0, 5, 31, 32, 63, 64, 99]
+    mask = _bitmask(ids, 100)
+    got = allowed_tokens(mask.unsqueeze(0), 100)[0]
+    assert got.shape == (100,) and got.nonzero().flatten().tolist() == ids
+    logits = torch.zeros(1, 100)
+    apply_token_masks(logits, mask.unsqueeze(0))
+    assert torch.isfinite(logits[0]).nonzero().flatten().tolist() == ids
+
+
+def test_sampler_picks_only_allowed_tokens():
+    torch.manual_seed(0)
+    vocab = 100
+    logits = torch.randn(4, vocab)
+    allowed_ids = [[3, 70], [99], [0, 1, 2], [50]]
+    rows = [SamplingRow(SamplingParams(temperature=0.0), [], [], None, (), _bitmask(a, vocab))
+            for a in allowed_ids[:2]]
+    rows += [SamplingRow(SamplingParams(temperature=1.0), [], [], torch.Generator().manual_seed(i), (),
+                         _bitmask(a, vocab)) for i, a in enumerate(allowed_ids[2:])]
+    before = logits.clone()
+    sampler = Sampler()
+    out = sampler(logits, rows).token_ids.tolist()
+    assert out[0] == max(allowed_ids[0], key=lambda t: logits[0, t]) and out[1] == 99 and out[3] == 50
+    assert torch.equal(logits, before)
+    draws = {sampler(logits, rows).token_ids[2].item() for _ in range(200)}
+    assert draws == {0, 1, 2}
+    # an unmasked row beside masked ones is sampled as before
+    plain = SamplingRow(SamplingParams(temperature=0.0), [], [], None)
+    assert sampler(logits[:2], [rows[1], plain]).token_ids.tolist() == [99, logits[1].argmax().item()]
