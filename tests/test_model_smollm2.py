@@ -29,9 +29,12 @@ by a wide margin; one that only shifts some logits by a nat or more fails (3).
 from __future__ import annotations
 
 import copy
+import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import jsonschema
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -39,7 +42,8 @@ from transformers import AutoModelForCausalLM
 from sluice.engine import llm_engine
 from sluice.llm import LLM
 from sluice.model import gguf_loader
-from sluice.sampling_params import SamplingParams
+from sluice.engine.structured_output import allowed_tokens, grammar_text
+from sluice.sampling_params import SamplingParams, StructuredOutputsParams
 
 try:
     from sluice.model.default import ensure_default_model
@@ -400,3 +404,120 @@ def test_speculative_decoding_bfloat16_same_tokens(make_llm, prompt_ids):
     drafted, accepted = _spec_counts(spec)
     assert 0 < accepted < drafted, (drafted, accepted)
     assert_drained(spec)
+
+
+# --- structured outputs: token masks against transformers with the same masks -------------------
+STRUCTURED_TOKENS = 48
+PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "languages"],
+          "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
+                         "languages": {"type": "array", "items": {"type": "string"}, "maxItems": 3}}}
+STRUCTURED = {   # name: (prompt, spec)
+    "person": (_chat("Describe a fictional programmer as JSON with name, age and languages."),
+               StructuredOutputsParams(json=PERSON)),
+    "object": (_chat("Give me the capital of France as a JSON object."), StructuredOutputsParams(json_object=True)),
+    "phone": (_chat("Make up a phone number."), StructuredOutputsParams(regex=r"\(\d{3}\) \d{3}-\d{4}")),
+    "choice": (FRANCE, StructuredOutputsParams(choice=["Paris", "Lyon", "Marseille"])),
+    "grammar": ("1, 2, 3, 5, 8, 13,", StructuredOutputsParams(grammar='start: NUM (", " NUM)*\nNUM: /[0-9]+/')),
+}
+
+
+def constrained_reference(model, lltokenizer, ids: list[int], spec, eos: tuple[int, ...]) -> list[int]:
+    """transformers' greedy continuation with each step's logits masked by a fresh llguidance
+    matcher that follows the tokens chosen: the plain loop sluice's batching, chunking and
+    drafting must reproduce."""
+    import llguidance
+
+    matcher = llguidance.LLMatcher(lltokenizer, grammar_text(spec))
+    assert not matcher.is_error(), matcher.get_error()
+    out, past, step_ids = [], None, torch.tensor([ids])
+    with torch.no_grad():
+        for _ in range(STRUCTURED_TOKENS):
+            res = model(step_ids, cache=past, use_cache=True)
+            past = res.cache if hasattr(res, "cache") else res.past_key_values
+            logits = res.logits[0, -1].float()
+            mask = torch.frombuffer(bytearray(matcher.compute_bitmask()), dtype=torch.int32)
+            logits[~allowed_tokens(mask.unsqueeze(0), logits.shape[0])[0]] = float("-inf")
+            tok = int(logits.argmax())
+            out.append(tok)
+            assert matcher.consume_token(tok)
+            if matcher.is_stopped() or tok in eos:
+                break
+            step_ids = torch.tensor([[tok]])
+    return out
+
+
+@pytest.fixture(scope="module")
+def structured_refs(llm, hf_fp32) -> dict[str, tuple[list[int], list[int]]]:
+    """name: (prompt ids, transformers' constrained greedy continuation)."""
+    import llguidance
+
+    lltok = llguidance.LLTokenizer(llm.tokenizer.info.tokenizer_json, n_vocab=llm.engine.vocab_size,
+                                   eos_token=list(llm.engine.eos_token_ids))
+    refs = {}
+    for name, (prompt, spec) in STRUCTURED.items():
+        ids = encode(llm, prompt)
+        refs[name] = (ids, constrained_reference(hf_fp32, lltok, ids, spec, llm.engine.eos_token_ids))
+    return refs
+
+
+def _check_structured(name: str, out, expected: list[int]) -> None:
+    comp = out.outputs[0]
+    assert comp.token_ids == expected, f"{name}: sluice {comp.token_ids} != transformers {expected}"
+    spec = STRUCTURED[name][1]
+    if comp.finish_reason != "stop":
+        return
+    if spec.kind == "json":
+        jsonschema.validate(json.loads(comp.text), spec.json)
+    elif spec.kind == "json_object":
+        assert isinstance(json.loads(comp.text), dict), comp.text
+    elif spec.kind == "regex":
+        assert re.fullmatch(spec.regex, comp.text), comp.text
+    elif spec.kind == "choice":
+        assert comp.text in spec.choice, comp.text
+
+
+def test_structured_outputs_match_transformers_with_the_same_masks(llm, structured_refs):
+    """float32, one batch: the five kinds of constraint and an unconstrained prompt side by side;
+    each constrained output equals transformers' masked greedy loop token for token, ends where
+    the grammar ends, and is valid (parses, matches its schema or pattern)."""
+    names = list(STRUCTURED)
+    params = [SamplingParams(temperature=0.0, max_tokens=STRUCTURED_TOKENS, structured_outputs=STRUCTURED[n][1])
+              for n in names]
+    free = encode(llm, PROMPTS["tips"])
+    outs = llm.generate([structured_refs[n][0] for n in names] + [free],
+                        params + [SamplingParams(temperature=0.0, max_tokens=STRUCTURED_TOKENS)])
+    for name, out in zip(names, outs):
+        _check_structured(name, out, structured_refs[name][1])
+    finished = {n: o.outputs[0].finish_reason for n, o in zip(names, outs)}
+    assert finished["choice"] == finished["phone"] == finished["person"] == "stop", finished
+    assert outs[-1].outputs[0].token_ids == llm.generate([free], SamplingParams(
+        temperature=0.0, max_tokens=STRUCTURED_TOKENS))[0].outputs[0].token_ids
+    assert_drained(llm)
+
+
+def test_structured_outputs_with_speculative_decoding_and_chunked_prefill(make_llm, structured_refs):
+    """Drafts cut to the grammar and verified under per-position masks, prompts prefilled in
+    64-token chunks beside decodes: the same tokens as transformers' plain masked loop."""
+    spec = make_llm(dtype="float32", kv_cache_tokens=4096, speculative_config=SPEC, max_num_batched_tokens=64)
+    names = list(STRUCTURED)
+    outs = spec.generate([structured_refs[n][0] for n in names],
+                         [SamplingParams(temperature=0.0, max_tokens=STRUCTURED_TOKENS,
+                                         structured_outputs=STRUCTURED[n][1]) for n in names])
+    for name, out in zip(names, outs):
+        _check_structured(name, out, structured_refs[name][1])
+    drafted, accepted = _spec_counts(spec)
+    assert accepted > 0, (drafted, accepted)
+    assert_drained(spec)
+
+
+def test_structured_outputs_sampled_with_n_and_a_seed_stay_valid(make_llm):
+    """Random sampling (temperature 1, n=4, bfloat16, drafts on): every sample obeys the grammar."""
+    engine = make_llm(dtype="bfloat16", kv_cache_tokens=4096, speculative_config=SPEC)
+    spec = STRUCTURED["phone"][1]
+    [out] = engine.generate([encode(engine, STRUCTURED["phone"][0])], SamplingParams(
+        n=4, temperature=1.0, seed=3, max_tokens=STRUCTURED_TOKENS, structured_outputs=spec))
+    assert len(out.outputs) == 4
+    for comp in out.outputs:
+        assert comp.finish_reason == "stop" and re.fullmatch(spec.regex, comp.text), comp.text
+    assert len({c.text for c in out.outputs}) > 1
+    assert_drained(engine)
