@@ -123,8 +123,8 @@ def post(server: RemoteServer, **body: Any) -> httpx.Response:
 
 
 @pytest.mark.parametrize("body,param", [
-    ({"tools": TOOLS, "tool_choice": "required"}, "tool_choice"),
-    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}, "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_time"}}}, "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
     ({"tool_choice": "auto"}, "tool_choice"),
     ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
     ({"tools": [{"type": "retrieval"}]}, "tools"),
@@ -134,7 +134,7 @@ def post(server: RemoteServer, **body: Any) -> httpx.Response:
     ({"messages": [{"role": "assistant", "tool_calls": [{"type": "function", "function": {
         "name": "f", "arguments": "{oops"}}]}]}, "messages"),
     ({"messages": [{"role": "assistant", "tool_calls": [{"type": "function"}]}]}, "messages"),
-], ids=["required", "named", "choice_without_tools", "unknown_choice", "not_a_function", "bad_name",
+], ids=["named_not_a_tool", "forced_with_response_format", "choice_without_tools", "unknown_choice", "not_a_function", "bad_name",
         "no_name", "tools_not_a_list", "history_arguments_not_json", "history_call_without_function"])
 def test_bad_tool_requests_are_400(server: RemoteServer, body: dict[str, Any], param: str) -> None:
     resp = post(server, **body)

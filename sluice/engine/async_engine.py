@@ -54,6 +54,7 @@ class AsyncEngine:
         self.config = config
         self.engine = engine or LLMEngine(config)
         self.tokenizer = self.engine.tokenizer
+        self.grammars = self.engine.grammars   # thread-safe: the server compiles into its cache
         self._commands: queue.Queue = queue.Queue()
         self._streams: dict[str, asyncio.Queue] = {}
         self._loop: Optional[asyncio.AbstractEventLoop] = None

@@ -19,7 +19,7 @@ from pydantic import (
     model_serializer,
 )
 
-from sluice.sampling_params import SamplingParams
+from sluice.sampling_params import SamplingParams, StructuredOutputsParams
 
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
@@ -109,6 +109,43 @@ class StreamOptions(OpenAIRequestModel):
     include_usage: Optional[bool] = False
 
 
+_FUNCTION_NAME = r"^[a-zA-Z0-9_-]{1,64}$"   # OpenAI's rule for function (and response format) names
+
+
+class JsonSchemaFormat(OpenAIRequestModel):
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False, populate_by_name=True)
+
+    name: str = Field(..., pattern=_FUNCTION_NAME)
+    description: Optional[str] = None
+    schema_: Optional[dict[str, Any]] = Field(None, alias="schema")
+    strict: Optional[bool] = None
+
+
+class ResponseFormat(OpenAIRequestModel):
+    """OpenAI's `response_format`: free text, any JSON object, or JSON matching a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Optional[JsonSchemaFormat] = None
+
+
+class StructuredOutputsRequest(BaseModel):
+    """vLLM's `structured_outputs` (extra_body): exactly one constraint; unknown keys are a 400, so a
+    constraint sluice does not know is never silently ignored."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, populate_by_name=True)
+
+    json_: Optional[Union[str, dict[str, Any]]] = Field(None, alias="json")
+    json_object: Optional[bool] = None
+    regex: Optional[str] = None
+    choice: Optional[list[str]] = None
+    grammar: Optional[str] = None
+
+
+# vLLM's request fields for guided decoding before `structured_outputs` replaced them.
+REMOVED_GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar",
+                         "guided_json_object", "guided_decoding_backend", "guided_whitespace_pattern")
+
+
 class SamplingRequest(OpenAIRequestModel):
     """Fields shared by /v1/chat/completions and /v1/completions."""
 
@@ -134,6 +171,8 @@ class SamplingRequest(OpenAIRequestModel):
     stop_token_ids: Optional[list[int]] = None
     include_stop_str_in_output: Optional[bool] = False
     skip_special_tokens: Optional[bool] = True
+    response_format: Optional[ResponseFormat] = None
+    structured_outputs: Optional[StructuredOutputsRequest] = None
     # Workflow identity (the X-Workflow-Id header takes precedence over the body).
     workflow_id: Optional[Union[str, int]] = None
     is_last_step: Optional[bool] = False
@@ -151,6 +190,31 @@ class SamplingRequest(OpenAIRequestModel):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def structured_outputs_field(self) -> str:
+        """The field that asked for structured outputs (for error messages)."""
+        fmt = self.response_format
+        return "response_format" if fmt is not None and fmt.type != "text" else "structured_outputs"
+
+    def structured_outputs_params(self) -> Optional[StructuredOutputsParams]:
+        """The output constraint asked for by `response_format` or `structured_outputs` (not both);
+        raises ValueError for a malformed one."""
+        fmt = self.response_format
+        if fmt is not None and fmt.type != "text":
+            if self.structured_outputs is not None:
+                raise ValueError("response_format and structured_outputs cannot be combined")
+            if fmt.type == "json_object":
+                return StructuredOutputsParams(json_object=True)
+            if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+                raise ValueError('response_format of type "json_schema" needs json_schema.schema')
+            return StructuredOutputsParams(json=fmt.json_schema.schema_)
+        so = self.structured_outputs
+        if so is None:
+            return None
+        return StructuredOutputsParams(json=so.json_, json_object=bool(so.json_object), regex=so.regex,
+                                       choice=tuple(so.choice) if so.choice is not None else None,
+                                       grammar=so.grammar)
 
     def to_sampling_params(self, max_tokens: int, logprobs: Optional[int]) -> SamplingParams:
         """Raises ValueError for out-of-range values (the caller answers 400)."""
@@ -172,6 +236,7 @@ class SamplingRequest(OpenAIRequestModel):
             logprobs=logprobs,
             include_stop_str_in_output=bool(self.include_stop_str_in_output),
             skip_special_tokens=self.skip_special_tokens is not False,
+            structured_outputs=self.structured_outputs_params(),
         )
 
 
@@ -180,7 +245,6 @@ class ContentPart(OpenAIRequestModel):
     text: Optional[str] = None
 
 
-_FUNCTION_NAME = r"^[a-zA-Z0-9_-]{1,64}$"   # OpenAI's rule for function names
 
 
 class FunctionDefinition(OpenAIRequestModel):
@@ -383,17 +447,25 @@ class ChatCompletionResponse(BaseModel):
     usage: UsageInfo
 
 
-class DeltaFunctionCall(BaseModel):
-    name: str
+class _DropNone(BaseModel):
+    @model_serializer(mode="wrap")
+    def _drop_none(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class DeltaFunctionCall(_DropNone):
+    name: Optional[str] = None           # only in a call's first chunk
     arguments: str
 
 
-class DeltaToolCall(BaseModel):
-    """A whole call in one chunk: sluice sends a call once its block is complete."""
+class DeltaToolCall(_DropNone):
+    """A call's chunk. A call parsed from text (hermes, or tool_choice "required") comes whole
+    in one chunk; a named tool_choice streams its arguments: id, type and name in the first
+    chunk, then argument fragments alone."""
 
     index: int                           # the call's position in the message
-    id: str
-    type: Literal["function"] = "function"
+    id: Optional[str] = None
+    type: Optional[Literal["function"]] = None
     function: DeltaFunctionCall
 
 

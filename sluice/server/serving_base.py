@@ -21,7 +21,7 @@ from sluice.engine.errors import EngineDeadError, RequestRejected
 from sluice.outputs import CompletionOutput, Logprob, RequestOutput
 from sluice.sampling_params import SamplingParams
 from sluice.server.metrics import ServerMetrics
-from sluice.server.protocol import APIError, SamplingRequest
+from sluice.server.protocol import REMOVED_GUIDED_FIELDS, APIError, SamplingRequest
 
 logger = logging.getLogger(__name__)
 
@@ -258,6 +258,22 @@ class OpenAIServing:
             raise APIError(400, "stop strings must not be empty", param="stop")
         if request.logit_bias:
             raise APIError(400, "logit_bias is not supported", param="logit_bias")
+        for name in REMOVED_GUIDED_FIELDS:
+            if (request.model_extra or {}).get(name) is not None:
+                raise APIError(400, f"{name} is not supported; vLLM replaced the guided_* fields with "
+                               '"structured_outputs" (e.g. {"structured_outputs": {"json": <schema>}})',
+                               param=name)
+
+    async def check_structured_outputs(self, params: SamplingParams, param: str) -> None:
+        """Compile the request's output constraint in a worker thread (a 400 if it is not valid);
+        the engine then finds it in its grammar cache and never compiles on its step loop."""
+        spec = params.structured_outputs
+        if spec is None:
+            return
+        try:
+            await asyncio.to_thread(self.engine.grammars.compile, spec)
+        except ValueError as e:
+            raise APIError(400, str(e), param=param) from e
 
     def check_logprobs(self, num: Optional[int], param: str) -> None:
         if num is not None and not 0 <= num <= self.server_config.max_logprobs:

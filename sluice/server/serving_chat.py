@@ -1,8 +1,9 @@
 """POST /v1/chat/completions: render the chat template, generate, answer in OpenAI's chat shape."""
 from __future__ import annotations
 
+import dataclasses
 import time
-from typing import AsyncIterator, Optional
+from typing import Any, AsyncIterator, Callable, Optional
 
 from starlette.requests import Request
 from starlette.responses import Response
@@ -41,12 +42,17 @@ from sluice.server.serving_base import (
     sse_event,
 )
 from sluice.server.tool_calls import (
+    ArgumentsDelta,
+    NamedCallStream,
     ParsedToolCall,
+    RequiredCallsStream,
     ToolCallStream,
-    parse_tool_calls,
+    named_call_schema,
     prepare_chat,
+    required_calls_schema,
     tool_call_id,
 )
+from sluice.sampling_params import StructuredOutputsParams
 from sluice.tokenizer import ChatTemplateError
 
 _MIN_LOGPROB = -9999.0  # stands for -inf, which JSON cannot carry
@@ -58,9 +64,16 @@ class OpenAIServingChat(OpenAIServing):
         self.check_model(request.model)
         self.check_request(request)
         num_logprobs = self._num_logprobs(request)
-        parse_tools = self._tool_parsing(request)
+        parse_tools, forced = self._tool_choice(request)
         prompt_ids = self._render_prompt(request)
         params = self.sampling_params(request, len(prompt_ids), num_logprobs, prompt_param="messages")
+        if forced is not None:
+            try:
+                params = dataclasses.replace(params, structured_outputs=forced)
+            except ValueError as e:
+                raise APIError(400, str(e), param="tool_choice") from e
+        await self.check_structured_outputs(
+            params, "tool_choice" if forced is not None else request.structured_outputs_field)
         request_id = random_id("chatcmpl")
         streams = await self.start_streams(
             raw_request,
@@ -86,26 +99,38 @@ class OpenAIServingChat(OpenAIServing):
         self.check_logprobs(num, "top_logprobs")
         return num
 
-    def _tool_parsing(self, request: ChatCompletionRequest) -> bool:
-        """Whether this call's replies are parsed for tool calls (tool_choice "auto", the default
-        with tools). "none" renders the tools but parses nothing; "required" and a named function
-        need decoding constrained to a JSON schema, which sluice does not have: a 400, not a reply
-        that may ignore the choice."""
+    def _tool_choice(self, request: ChatCompletionRequest) -> tuple[Optional[Callable[[], Any]], Optional[StructuredOutputsParams]]:
+        """How this call's replies are read for tool calls: a factory of per-choice parsers (None:
+        the reply is plain content), and the constraint a forced choice puts on the reply.
+        "auto" (the default with tools) parses hermes blocks and needs the server's flags; "none"
+        renders the tools but parses nothing; "required" and a named function constrain the reply
+        to the calls' JSON schema (tool_calls.py)."""
         choice = request.tool_choice
         if not request.tools:
             if choice is not None and choice != "none":
                 raise APIError(400, "tool_choice is only allowed when tools are specified", param="tool_choice")
-            return False
+            return None, None
         if choice is None or choice == "auto":
             if not self.server_config.enable_auto_tool_choice:
                 raise APIError(400, '"auto" tool choice requires the server to run with '
                                '--enable-auto-tool-choice and --tool-call-parser', param="tool_choice")
-            return True
+            return ToolCallStream, None
         if choice == "none":
-            return False
-        what = "a named function" if isinstance(choice, NamedToolChoice) else '"required"'
-        raise APIError(400, f"tool_choice {what} is not supported: it needs decoding constrained to the "
-                       'tool\'s JSON schema; use "auto" or "none"', param="tool_choice")
+            return None, None
+        fmt = request.response_format
+        if (fmt is not None and fmt.type != "text") or request.structured_outputs is not None:
+            raise APIError(400, "a forced tool_choice cannot be combined with response_format or "
+                           "structured_outputs", param="tool_choice")
+        tools = [t.model_dump(exclude_none=True) for t in request.tools]
+        if isinstance(choice, NamedToolChoice):
+            name = choice.function.name
+            try:
+                schema = named_call_schema(tools, name)
+            except ValueError as e:
+                raise APIError(400, str(e), param="tool_choice") from e
+            return (lambda: NamedCallStream(name)), StructuredOutputsParams(json=schema)
+        schema = required_calls_schema(tools, parallel=request.parallel_tool_calls is not False)
+        return RequiredCallsStream, StructuredOutputsParams(json=schema)
 
     def _render_prompt(self, request: ChatCompletionRequest) -> list[int]:
         messages = [m.to_template_dict() for m in request.messages]
@@ -124,7 +149,7 @@ class OpenAIServingChat(OpenAIServing):
 
     async def _collect(
         self, request: ChatCompletionRequest, request_id: str, prompt_len: int,
-        num_logprobs: Optional[int], streams: GenerationStreams, parse_tools: bool,
+        num_logprobs: Optional[int], streams: GenerationStreams, parse_tools: Optional[Callable[[], Any]],
     ) -> ChatCompletionResponse:
         latest: dict[int, CompletionOutput] = {}
         cached_tokens = 0
@@ -140,7 +165,10 @@ class OpenAIServingChat(OpenAIServing):
             logprobs = None
             if num_logprobs is not None:
                 logprobs = self._chat_logprobs(list(zip(sample.token_ids, sample.logprobs or [])), num_logprobs)
-            content, calls = parse_tool_calls(sample.text) if parse_tools else (sample.text, [])
+            content, calls, parsed = sample.text, [], False
+            if parse_tools is not None:
+                parser = parse_tools()
+                content, calls, parsed = _reply_parts(parser.feed(sample.text) + parser.finish())
             if calls and request.parallel_tool_calls is False:
                 calls = calls[:1]
             choices.append(ChatCompletionChoice(
@@ -149,7 +177,7 @@ class OpenAIServingChat(OpenAIServing):
                     ToolCall(id=tool_call_id(), function=FunctionCall(name=c.name, arguments=c.arguments))
                     for c in calls]),
                 logprobs=logprobs,
-                finish_reason=_finish_reason(sample.finish_reason, bool(calls)),
+                finish_reason=_finish_reason(sample.finish_reason, parsed),
                 stop_reason=sample.stop_reason,
             ))
         completion_tokens = sum(len(s.token_ids) for s in latest.values())
@@ -168,7 +196,7 @@ class OpenAIServingChat(OpenAIServing):
         n: int,
         num_logprobs: Optional[int],
         streams: GenerationStreams,
-        parse_tools: bool = False,
+        parse_tools: Optional[Callable[[], Any]] = None,
     ) -> AsyncIterator[str]:
         created = now_s()
 
@@ -180,8 +208,9 @@ class OpenAIServingChat(OpenAIServing):
         latest: dict[int, CompletionOutput] = {}
         finished: set[int] = set()
         text_chunk: dict[int, TextChunkTemplate] = {}   # per choice: its content-only chunk
-        parsers: dict[int, ToolCallStream] = {}          # per choice, when parsing tool calls
-        num_calls: dict[int, int] = {}                   # per choice: tool calls sent
+        parsers: dict[int, Any] = {}                     # per choice, when parsing tool calls
+        num_calls: dict[int, int] = {}                   # per choice: parsed tool calls sent
+        named_call: set[int] = set()                     # choices whose named call has begun
         cached_tokens = 0
         try:
             for index in range(n):
@@ -195,8 +224,8 @@ class OpenAIServingChat(OpenAIServing):
                     # What this output adds, in order: content strings and (when parsing tool
                     # calls) whole calls; text that may open a <tool_call> is held back.
                     events: list = [sample.text_delta] if sample.text_delta else []
-                    if parse_tools:
-                        parser = parsers.setdefault(sample.index, ToolCallStream())
+                    if parse_tools is not None:
+                        parser = parsers.get(sample.index) or parsers.setdefault(sample.index, parse_tools())
                         events = parser.feed(sample.text_delta) if sample.text_delta else []
                         if done:
                             events += parser.finish()
@@ -208,13 +237,23 @@ class OpenAIServingChat(OpenAIServing):
                             index=sample.index, delta=DeltaMessage(content=text), logprobs=logprobs,
                         )])
                     for event in events:
+                        if isinstance(event, ArgumentsDelta):
+                            first = sample.index not in named_call
+                            named_call.add(sample.index)
+                            yield chunk([ChatCompletionStreamChoice(index=sample.index, delta=DeltaMessage(
+                                tool_calls=[DeltaToolCall(
+                                    index=0, id=tool_call_id() if first else None,
+                                    type="function" if first else None,
+                                    function=DeltaFunctionCall(name=event.name if first else None,
+                                                               arguments=event.text))]))])
+                            continue
                         if isinstance(event, ParsedToolCall):
                             k = num_calls.get(sample.index, 0)
                             if k and request.parallel_tool_calls is False:
                                 continue
                             num_calls[sample.index] = k + 1
                             yield chunk([ChatCompletionStreamChoice(index=sample.index, delta=DeltaMessage(
-                                tool_calls=[DeltaToolCall(index=k, id=tool_call_id(), function=DeltaFunctionCall(
+                                tool_calls=[DeltaToolCall(index=k, id=tool_call_id(), type="function", function=DeltaFunctionCall(
                                     name=event.name, arguments=event.arguments))]))])
                             continue
                         if sample.index not in text_chunk:
@@ -255,6 +294,20 @@ class OpenAIServingChat(OpenAIServing):
     def _top_logprob(self, logprob: Logprob) -> TopLogprob:
         text = self.token_text(logprob.token_id)
         return TopLogprob(token=text, logprob=logprob.logprob, bytes=list(text.encode()))
+
+
+def _reply_parts(events: list[Any]) -> tuple[Optional[str], list[ParsedToolCall], bool]:
+    """A whole reply's parser events as (content, calls, whether calls were parsed from text): a
+    named function's argument fragments make one call; content is None when there are only calls."""
+    content = "".join(e for e in events if isinstance(e, str))
+    calls = [e for e in events if isinstance(e, ParsedToolCall)]
+    fragments = [e for e in events if isinstance(e, ArgumentsDelta)]
+    parsed = bool(calls)
+    if fragments:
+        calls.append(ParsedToolCall(fragments[0].name, "".join(f.text for f in fragments)))
+    if calls and not content.strip():
+        return None, calls, parsed
+    return content, calls, parsed
 
 
 def _finish_reason(reason: Optional[str], made_calls: bool) -> Optional[str]:

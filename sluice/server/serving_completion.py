@@ -59,6 +59,7 @@ class OpenAIServingCompletion(OpenAIServing):
             )
             for i, prompt in enumerate(prompts)
         ]
+        await self.check_structured_outputs(calls[0].params, request.structured_outputs_field)
         streams = await self.start_streams(raw_request, calls, self.workflow_info(request, raw_request), arrival)
         n = calls[0].params.n
         if request.stream:

@@ -16,6 +16,13 @@ the tool signatures and the calling convention into the system message, an assis
 Streaming: text is held back only while it could be the start of a `<tool_call>` tag; each call
 is sent as one delta (id, name and the whole arguments string) once its block is closed, which
 the OpenAI client accumulates like any other split.
+
+Forced calls (`tool_choice` "required" or a named function, as vLLM does them): the reply is
+constrained by structured outputs to a JSON schema, so it is a call whatever the model would have
+said. A named function's reply is its arguments (an object of the function's `parameters`
+schema), streamed as argument fragments. "required" constrains the reply to a JSON array of
+`{"name": ..., "parameters": {...}}` objects, one of the tools each (at most one without
+`parallel_tool_calls`), parsed into calls when the reply is complete.
 """
 from __future__ import annotations
 
@@ -122,6 +129,91 @@ def _partial_tag_suffix(text: str) -> int:
         if TOOL_CALL_START.startswith(text[-k:]):
             return k
     return 0
+
+
+# --- forced calls (tool_choice "required" or a named function) --------------------------------------
+
+def _parameters(function: dict[str, Any]) -> dict[str, Any]:
+    params = function.get("parameters")
+    return params if params else {"type": "object", "properties": {}}
+
+
+def named_call_schema(tools: list[dict[str, Any]], name: str) -> dict[str, Any]:
+    """The schema of the named function's arguments; ValueError if no tool has that name."""
+    for tool in tools:
+        if tool["function"]["name"] == name:
+            return _parameters(tool["function"])
+    raise ValueError(f"tool_choice names function {name!r}, which is not among the tools")
+
+
+def required_calls_schema(tools: list[dict[str, Any]], parallel: bool) -> dict[str, Any]:
+    """A JSON array of one or more calls (at most one unless `parallel`), each one of the tools."""
+    calls = [{"type": "object", "additionalProperties": False, "required": ["name", "parameters"],
+              "properties": {"name": {"type": "string", "enum": [t["function"]["name"]]},
+                             "parameters": _parameters(t["function"])}} for t in tools]
+    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+    if not parallel:
+        schema["maxItems"] = 1
+    return schema
+
+
+def parse_required_calls(text: str) -> Optional[list[ParsedToolCall]]:
+    """The calls of a "required" reply, or None when it is not a complete array of calls (a reply
+    cut short by max_tokens)."""
+    try:
+        items = json.loads(text)
+    except (json.JSONDecodeError, RecursionError):
+        return None
+    if not isinstance(items, list) or not items:
+        return None
+    calls = []
+    for item in items:
+        if not isinstance(item, dict) or not isinstance(item.get("name"), str):
+            return None
+        args = item.get("parameters", {})
+        if not isinstance(args, dict):
+            return None
+        calls.append(ParsedToolCall(item["name"], json.dumps(args, ensure_ascii=False)))
+    return calls
+
+
+@dataclass
+class ArgumentsDelta:
+    """A fragment of a named function's arguments, as it is generated."""
+
+    name: str
+    text: str
+
+
+class NamedCallStream:
+    """A named tool_choice's reply: all of it is the one call's arguments."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def feed(self, delta: str) -> list[Any]:
+        return [ArgumentsDelta(self.name, delta)] if delta else []
+
+    def finish(self) -> list[Any]:
+        return []
+
+
+class RequiredCallsStream:
+    """A "required" reply: held back whole, then its calls (or, if it is not a complete array of
+    calls, its text)."""
+
+    def __init__(self) -> None:
+        self._text = ""
+
+    def feed(self, delta: str) -> list[Any]:
+        self._text += delta
+        return []
+
+    def finish(self) -> list[Any]:
+        calls = parse_required_calls(self._text)
+        if calls is not None:
+            return list(calls)
+        return [self._text] if self._text else []
 
 
 # --- prompting ------------------------------------------------------------------------------------
