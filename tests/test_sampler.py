@@ -295,3 +295,30 @@ def test_mixed_batch(sampler: Sampler) -> None:
     assert toks[6] != 7
     assert out.logprobs is not None
     assert [e is not None for e in out.logprobs] == [False, False, False, False, True, False, False]
+
+
+def test_mixed_batch_rows_sample_as_they_would_alone(sampler: Sampler) -> None:
+    """Plain greedy rows take the fast argmax on their own subset, the rest the general path on
+    theirs: each row's token (and logprobs) equals what the row gets in a batch of one."""
+    torch.manual_seed(1)
+    logits = torch.randn(6, 50).to(torch.bfloat16)
+    mask = torch.zeros(2, dtype=torch.int32)
+    mask[1] = 1 << 3                                  # only token 35
+    rows = [
+        row(SamplingParams(temperature=0.0)),
+        row(SamplingParams(temperature=0.0, logprobs=2)),
+        row(SamplingParams(temperature=0.0)),
+        SamplingRow(SamplingParams(temperature=0.0), [], [], None, (), mask),
+        row(SamplingParams(temperature=0.8, seed=5), seed=5),
+        row(SamplingParams(temperature=0.0, repetition_penalty=1.5), prompt=[int(logits[5].float().argmax())]),
+    ]
+    out = sampler(logits, rows)
+    assert out.token_ids[3].item() == 35
+    for i, r in enumerate(rows):
+        if r.generator is not None:
+            r = row(SamplingParams(temperature=0.8, seed=5), seed=5)   # a fresh generator, same seed
+        alone = sampler(logits[i:i + 1], [r])
+        assert out.token_ids[i].item() == alone.token_ids[0].item(), i
+        got = out.logprobs[i] if out.logprobs is not None else None
+        assert got == (alone.logprobs[0] if alone.logprobs is not None else None), i
+    assert out.logprobs is not None and [lp is not None for lp in out.logprobs] == [False, True] + [False] * 4

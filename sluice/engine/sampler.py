@@ -61,9 +61,28 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
         """Sample one token per row from `logits` [B, V] (any float dtype; left unmodified)."""
         assert logits.dim() == 2 and logits.shape[0] == len(rows), (logits.shape, len(rows))
-        if all(_is_plain_greedy(r) for r in rows):
+        plain = [_is_plain_greedy(r) for r in rows]
+        if all(plain):
             return SamplerOutput(token_ids=self.argmax(logits))
+        if not any(plain):
+            return self._general(logits, rows)
+        # Only the rows that need the general path pay for it (a float32 copy of their [R, V]
+        # logits and the transforms); plain greedy rows keep the compiled argmax.
+        easy = torch.tensor([i for i, p in enumerate(plain) if p], device=logits.device)
+        rest = [i for i, p in enumerate(plain) if not p]
+        hard = torch.tensor(rest, device=logits.device)
+        token_ids = torch.empty(len(rows), dtype=torch.long, device=logits.device)
+        token_ids[easy] = self.argmax(logits.index_select(0, easy))
+        sub = self._general(logits.index_select(0, hard), [rows[i] for i in rest])
+        token_ids[hard] = sub.token_ids
+        logprobs = None
+        if sub.logprobs is not None:
+            logprobs = [None] * len(rows)
+            for j, i in enumerate(rest):
+                logprobs[i] = sub.logprobs[j]
+        return SamplerOutput(token_ids=token_ids, logprobs=logprobs)
 
+    def _general(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
         logits = logits.to(torch.float32, copy=True)  # [B, V]
         want_logprobs = any(r.params.logprobs is not None for r in rows)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None  # [B, V]
