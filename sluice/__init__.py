@@ -1,5 +1,5 @@
 """sluice: an LLM inference engine for concurrent agent workflows."""
-from sluice.sampling_params import SamplingParams
+from sluice.sampling_params import SamplingParams, StructuredOutputsParams
 
 __version__ = "0.1.0"
 
@@ -12,4 +12,4 @@ def __getattr__(name: str):
     raise AttributeError(name)
 
 
-__all__ = ["LLM", "SamplingParams", "__version__"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "__version__"]
