@@ -19,6 +19,7 @@ class StructuredOutputsParams:
     regex: Optional[str] = None
     choice: Optional[tuple[str, ...]] = None
     grammar: Optional[str] = None                       # Lark or GBNF (llama.cpp's grammar format)
+    disable_any_whitespace: bool = False                # JSON: compact, no whitespace between tokens
 
     def __post_init__(self) -> None:
         if self.choice is not None and not isinstance(self.choice, tuple):
@@ -28,6 +29,8 @@ class StructuredOutputsParams:
         if len(set_) != 1:
             raise ValueError("structured outputs take exactly one of json, json_object, regex, choice "
                              f"and grammar; got {set_ or 'none'}")
+        if self.disable_any_whitespace and self.kind not in ("json", "json_object"):
+            raise ValueError("structured outputs: disable_any_whitespace applies to json and json_object only")
         if self.choice is not None and (not self.choice or not all(isinstance(c, str) and c for c in self.choice)):
             raise ValueError("structured outputs: choice must be a non-empty list of non-empty strings")
         if isinstance(self.json, str):
@@ -40,6 +43,15 @@ class StructuredOutputsParams:
         elif self.json is not None and not isinstance(self.json, dict):
             raise ValueError("structured outputs: a JSON schema must be an object")
 
+    def schema(self) -> Any:
+        """json and json_object: the JSON schema to compile (with disable_any_whitespace, told to
+        llguidance in its `x-guidance` options, unless the schema sets them itself)."""
+        schema = {"type": "object"} if self.json_object else self.json
+        schema = json.loads(schema) if isinstance(schema, str) else schema
+        if self.disable_any_whitespace and isinstance(schema, dict):
+            schema = {**schema, "x-guidance": {"whitespace_flexible": False, **schema.get("x-guidance", {})}}
+        return schema
+
     @property
     def kind(self) -> str:
         return next(k for k in ("json", "json_object", "regex", "choice", "grammar") if getattr(self, k))
@@ -47,6 +59,8 @@ class StructuredOutputsParams:
     def key(self) -> tuple[str, str]:
         """A canonical identity, for caching compiled grammars."""
         value = getattr(self, self.kind)
+        if self.disable_any_whitespace:
+            return self.kind + "/compact", json.dumps(self.schema(), sort_keys=True, separators=(",", ":"))
         if self.kind == "json":
             value = json.loads(value) if isinstance(value, str) else value
             return "json", json.dumps(value, sort_keys=True, separators=(",", ":"))

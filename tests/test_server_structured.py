@@ -119,7 +119,9 @@ def test_response_format_text_is_free_text(client: openai.OpenAI, model: str) ->
      lambda t: re.fullmatch(r"The answer is [0-9]{1,4}\.", t)),
     ({"grammar": 'root ::= "yes" | "no"'}, lambda t: t in ("yes", "no")),   # GBNF, llama.cpp's format
     ({"json": json.dumps(PERSON_SCHEMA)}, lambda t: jsonschema.validate(json.loads(t), PERSON_SCHEMA) is None),
-], ids=["regex", "choice", "lark", "gbnf", "json_text"])
+    ({"json": PERSON_SCHEMA, "disable_any_whitespace": True},
+     lambda t: json.dumps(json.loads(t), separators=(",", ":"), ensure_ascii=False) == t),
+], ids=["regex", "choice", "lark", "gbnf", "json_text", "json_compact"])
 def test_structured_outputs_on_chat(client: openai.OpenAI, model: str, constraint, check) -> None:
     messages = [{"role": "user", "content": "What is the capital of France? Then make up a phone number."}]
     resp = client.chat.completions.create(model=model, messages=messages, **GREEDY,

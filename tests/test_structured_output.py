@@ -64,6 +64,7 @@ def texts(tokenizer, ids) -> set[str]:
     ({"choice": ["a", ""]}, "non-empty"),
     ({"json": "{not json"}, "not a valid JSON schema text"),
     ({"json": "[1, 2]"}, "must be an object"),
+    ({"regex": "a", "disable_any_whitespace": True}, "json and json_object only"),
 ])
 def test_params_take_exactly_one_valid_constraint(kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -227,3 +228,21 @@ def test_sampler_picks_only_allowed_tokens():
     # an unmasked row beside masked ones is sampled as before
     plain = SamplingRow(SamplingParams(temperature=0.0), [], [], None)
     assert sampler(logits[:2], [rows[1], plain]).token_ids.tolist() == [99, logits[1].argmax().item()]
+
+
+def test_disable_any_whitespace_makes_json_compact(compiler, tokenizer):
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    flexible, compact = SO(json=schema), SO(json=schema, disable_any_whitespace=True)
+    assert flexible.key() != compact.key()
+    assert compact.schema()["x-guidance"] == {"whitespace_flexible": False}
+    assert SO(json={**schema, "x-guidance": {"whitespace_flexible": True}},
+              disable_any_whitespace=True).schema()["x-guidance"] == {"whitespace_flexible": True}
+
+    def after_brace(spec) -> set[str]:
+        state = compiler.compile(spec).new_state()
+        assert state.consume(tokenizer.encode("{", add_special_tokens=False)[0])
+        return texts(tokenizer, allowed(state.masks()[0]))
+
+    assert any(t.isspace() for t in after_brace(flexible))
+    assert not any(t.strip() != t for t in after_brace(compact)), after_brace(compact)
+    assert not any(t.strip() != t for t in after_brace(SO(json_object=True, disable_any_whitespace=True)))

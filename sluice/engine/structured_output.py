@@ -171,11 +171,8 @@ def grammar_text(spec: StructuredOutputsParams) -> str:
 
     kind = spec.kind
     try:
-        if kind == "json":
-            schema = spec.json if isinstance(spec.json, str) else json.dumps(spec.json)
-            return llguidance.LLMatcher.grammar_from_json_schema(schema)
-        if kind == "json_object":
-            return llguidance.LLMatcher.grammar_from_json_schema('{"type": "object"}')
+        if kind in ("json", "json_object"):
+            return llguidance.LLMatcher.grammar_from_json_schema(json.dumps(spec.schema()))
         if kind == "regex":
             return llguidance.LLMatcher.grammar_from_regex(spec.regex)
         if kind == "choice":

@@ -139,6 +139,7 @@ class StructuredOutputsRequest(BaseModel):
     regex: Optional[str] = None
     choice: Optional[list[str]] = None
     grammar: Optional[str] = None
+    disable_any_whitespace: Optional[bool] = None
 
 
 # vLLM's request fields for guided decoding before `structured_outputs` replaced them.
@@ -214,7 +215,7 @@ class SamplingRequest(OpenAIRequestModel):
             return None
         return StructuredOutputsParams(json=so.json_, json_object=bool(so.json_object), regex=so.regex,
                                        choice=tuple(so.choice) if so.choice is not None else None,
-                                       grammar=so.grammar)
+                                       grammar=so.grammar, disable_any_whitespace=bool(so.disable_any_whitespace))
 
     def to_sampling_params(self, max_tokens: int, logprobs: Optional[int]) -> SamplingParams:
         """Raises ValueError for out-of-range values (the caller answers 400)."""
