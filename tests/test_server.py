@@ -25,16 +25,6 @@ def server() -> Iterator[RemoteServer]:
         yield remote
 
 
-@pytest.fixture(scope="module")
-def client(server: RemoteServer) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="module")
-def model(client: openai.OpenAI) -> str:
-    return client.models.list().data[0].id
-
-
 def test_health_and_models(server: RemoteServer, client: openai.OpenAI) -> None:
     assert httpx.get(server.url + "/health").status_code == 200
     models = client.models.list().data

@@ -36,16 +36,6 @@ def server() -> Iterator[RemoteServer]:
 
 
 @pytest.fixture(scope="module")
-def client(server: RemoteServer) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="module")
-def model(client: openai.OpenAI) -> str:
-    return client.models.list().data[0].id
-
-
-@pytest.fixture(scope="module")
 def raw(client: openai.OpenAI, model: str):
     """The same prompt with tool_choice "none": the tools are rendered, the reply is not parsed."""
     resp = client.chat.completions.create(model=model, messages=FEW_SHOT, tools=TOOLS, tool_choice="none", **GREEDY)
