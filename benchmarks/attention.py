@@ -109,6 +109,7 @@ def time_layer(backend, layers, repeats: int, clock) -> float:
 
 
 def main() -> None:
+    global BLOCK_SIZE
     ap = argparse.ArgumentParser()
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--repeats", type=int, default=20)
@@ -116,7 +117,9 @@ def main() -> None:
     ap.add_argument("--cpu-time", action="store_true", help="one thread, timed by its CPU clock")
     ap.add_argument("--only", default=None, help="run only the cases whose label contains this")
     ap.add_argument("--no-torch", action="store_true", help="skip the (slow) torch reference")
+    ap.add_argument("--block-size", type=int, default=BLOCK_SIZE, help="tokens per KV cache block")
     args = ap.parse_args()
+    BLOCK_SIZE = args.block_size
     if args.cpu_time:
         args.threads = 1
     if args.threads:
@@ -125,7 +128,7 @@ def main() -> None:
     dtype = getattr(torch, args.dtype)
     backends = {name: create_backend(name) for name in (("cpu",) if args.no_torch else ("torch", "cpu"))}
     bw = copy_bandwidth(clock)
-    print(f"threads={torch.get_num_threads()} dtype={args.dtype} clock={'thread CPU' if args.cpu_time else 'wall'} "
+    print(f"threads={torch.get_num_threads()} dtype={args.dtype} block_size={BLOCK_SIZE} clock={'thread CPU' if args.cpu_time else 'wall'} "
           f"copy bandwidth={bw / 1e9:.1f} GB/s (read+write); per-layer times, best of {args.repeats}")
     print(f"{'case':<24} {'KV MB':>6} {'roofline us':>11} {'torch us':>9} {'cpu us':>8} {'speedup':>7} "
           f"{'cpu GB/s':>8} {'cpu/roof':>8} {'cpu GFLOP/s':>11}")

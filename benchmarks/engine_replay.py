@@ -38,6 +38,7 @@ def main() -> None:
     ap.add_argument("--admission", choices=["none", "load"], default="none",
                     help="load: start a new workflow only while the engine is `accepting` (as "
                          "`sluice bench --admission load` does through GET /load)")
+    ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--step-trace", default=None)
     ap.add_argument("--speculative-config", default=None, help="as `sluice serve`'s flag")
     args = ap.parse_args()
@@ -46,8 +47,8 @@ def main() -> None:
     mcfg = load_model_config(path)
     eng = LLMEngine(EngineConfig(
         model_path=str(path), model=mcfg,
-        cache=(CacheConfig(kv_cache_tokens=args.kv_cache_tokens) if args.kv_cache_tokens
-               else CacheConfig(kv_cache_gib=args.kv_cache_gib)),
+        cache=(CacheConfig(kv_cache_tokens=args.kv_cache_tokens, block_size=args.block_size) if args.kv_cache_tokens
+               else CacheConfig(kv_cache_gib=args.kv_cache_gib, block_size=args.block_size)),
         scheduler=SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=args.max_num_batched_tokens,
                                   max_model_len=mcfg.max_position_embeddings, policy=args.policy),
         attention_backend=args.backend, step_trace_path=args.step_trace,

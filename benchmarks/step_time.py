@@ -29,16 +29,28 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--backend", default="auto")
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--scatter", action="store_true",
+                    help="shuffle the free block queue first, so that a sequence's blocks lie scattered "
+                         "over the cache as in a server that has run for a while")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     llm = LLM(args.model, dtype="bfloat16", max_model_len=4096, kv_cache_tokens=32 * 2304 + 4096,
               max_num_seqs=64, max_num_batched_tokens=2048, enable_prefix_caching=False,
-              attention_backend=args.backend)
+              attention_backend=args.backend, block_size=args.block_size)
     eng = llm.engine
+    if args.scatter:
+        import random
+
+        pool = eng.scheduler.kv.pool
+        ids = list(pool._free)
+        random.Random(0).shuffle(ids)
+        pool._free = type(pool._free)((i, pool._free[i]) for i in ids)
     cfg = eng.config.model
     flops = matmul_flops_per_token(cfg)
-    print(f"threads={torch.get_num_threads()} backend={args.backend} matmul GFLOP/token={flops / 1e9:.3f}")
+    print(f"threads={torch.get_num_threads()} backend={args.backend} block_size={args.block_size} "
+          f"scatter={args.scatter} matmul GFLOP/token={flops / 1e9:.3f}")
     print(f"{'batch':>5} {'context':>7} {'step ms':>8} {'tok/s':>8} {'GFLOP/s(matmul)':>15}")
     for ctx in args.contexts:
         for b in args.batches:
