@@ -89,6 +89,8 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     structured_outputs: Optional[StructuredOutputsParams] = None
+    logit_bias: Optional[dict[int, float]] = None     # token id -> added to its logit, in [-100, 100]
+    allowed_token_ids: Optional[list[int]] = None     # sample only among these ids
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -124,8 +126,21 @@ class SamplingParams:
         if self.structured_outputs is not None and self.min_tokens > 0:
             raise ValueError("min_tokens cannot be combined with structured outputs: the grammar decides "
                              "where the output may end")
+        if self.logit_bias:
+            for tok, bias in self.logit_bias.items():
+                if not isinstance(tok, int) or tok < 0:
+                    raise ValueError(f"logit_bias keys must be token ids (non-negative integers), got {tok!r}")
+                if not -100.0 <= bias <= 100.0:
+                    raise ValueError(f"logit_bias values must be in [-100, 100], got {bias} for token {tok}")
+        if self.allowed_token_ids is not None:
+            if not self.allowed_token_ids or any(not isinstance(t, int) or t < 0 for t in self.allowed_token_ids):
+                raise ValueError("allowed_token_ids must be a non-empty list of token ids")
         if self.logprobs is not None and not 0 <= self.logprobs <= _MAX_LOGPROBS:
             raise ValueError(f"logprobs must be in [0, {_MAX_LOGPROBS}]")
+
+    def token_ids_used(self) -> list[int]:
+        """Token ids the params name (logit_bias keys, allowed_token_ids), for a vocabulary check."""
+        return [*(self.logit_bias or {}), *(self.allowed_token_ids or [])]
 
     @property
     def greedy(self) -> bool:

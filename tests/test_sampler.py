@@ -322,3 +322,27 @@ def test_mixed_batch_rows_sample_as_they_would_alone(sampler: Sampler) -> None:
         got = out.logprobs[i] if out.logprobs is not None else None
         assert got == (alone.logprobs[0] if alone.logprobs is not None else None), i
     assert out.logprobs is not None and [lp is not None for lp in out.logprobs] == [False, True] + [False] * 4
+
+
+def test_logit_bias_and_allowed_token_ids(sampler: Sampler) -> None:
+    logits = torch.tensor([[0.0, 1.0, 2.0, 3.0], [0.0, 1.0, 2.0, 3.0]])
+    biased = row(SamplingParams(temperature=0.0, logit_bias={0: 5.0, 3: -1.5}))
+    out = sampler(logits, [biased, row(SamplingParams(temperature=0.0))])
+    assert out.token_ids.tolist() == [0, 3]           # 0 + 5 beats 3 - 1.5; the other row is unbiased
+    assert sampler(logits[:1], [row(SamplingParams(temperature=0.0, logit_bias={2: 0.5, 3: -0.6}))]
+                   ).token_ids.tolist() == [2]         # 2.5 > 2.4
+    allowed = row(SamplingParams(temperature=0.0, allowed_token_ids=[0, 1]))
+    assert sampler(logits[:1], [allowed]).token_ids.tolist() == [1]
+    draws = {sampler(logits[:1], [row(SamplingParams(temperature=1.0, allowed_token_ids=[0, 2]))]).token_ids.item()
+             for _ in range(100)}
+    assert draws == {0, 2}
+    # logprobs stay those of the raw distribution (as penalties leave them)
+    lp = sampler(logits[:1], [row(SamplingParams(temperature=0.0, logit_bias={0: 5.0}, logprobs=0))]).logprobs[0]
+    assert lp[0].logprob == pytest.approx(torch.log_softmax(logits[0], -1)[0].item())
+
+
+@pytest.mark.parametrize("kwargs", [{"logit_bias": {1: 101.0}}, {"logit_bias": {-1: 1.0}},
+                                    {"allowed_token_ids": []}, {"allowed_token_ids": [-2]}])
+def test_bad_logit_bias_and_allowed_ids_are_refused(kwargs) -> None:
+    with pytest.raises(ValueError):
+        SamplingParams(**kwargs)

@@ -163,6 +163,27 @@ def test_token_id_prompt_and_default_max_tokens(client: openai.OpenAI, model: st
     assert resp.choices[0].finish_reason == "length"
 
 
+def test_logit_bias_and_allowed_token_ids(client: openai.OpenAI, model: str) -> None:
+    """OpenAI's logit_bias (+100 forces a token, -100 bans one) and vLLM's allowed_token_ids."""
+    from sluice.model.default import ensure_default_model
+    from sluice.model.loader import load_tokenizer
+
+    tok = load_tokenizer(ensure_default_model())
+    prompt, greedy = "The capital of France is", {"max_tokens": 3, "temperature": 0}
+    [banana] = tok.encode(" banana", add_special_tokens=False)
+    forced = client.completions.create(model=model, prompt=prompt, logit_bias={str(banana): 100}, **greedy)
+    assert forced.choices[0].text == " banana" * 3
+    free = client.completions.create(model=model, prompt=prompt, **greedy).choices[0].text
+    first = tok.encode(free, add_special_tokens=False)[0]
+    banned = client.completions.create(model=model, prompt=prompt, logit_bias={str(first): -100}, **greedy)
+    assert not banned.choices[0].text.startswith(tok.decode([first])), (free, banned.choices[0].text)
+    yes, no = tok.encode(" yes", add_special_tokens=False) + tok.encode(" no", add_special_tokens=False)
+    only = client.completions.create(model=model, prompt=prompt, max_tokens=6, temperature=1.0, seed=1,
+                                     extra_body={"allowed_token_ids": [yes, no]})
+    text = only.choices[0].text
+    assert text and text.replace(" yes", "").replace(" no", "") == "", text
+
+
 def test_chat_logprobs(client: openai.OpenAI, model: str) -> None:
     resp = client.chat.completions.create(
         model=model, messages=MESSAGES, max_tokens=5, logprobs=True, top_logprobs=3, temperature=0

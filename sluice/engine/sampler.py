@@ -4,11 +4,11 @@ Order of operations, as in vLLM's sampler:
 1. logprobs, when any row asks, from the raw model distribution `log_softmax(logits)`
    (vLLM 0.x's default): penalties, suppression, temperature and truncation do not change them.
    The rank is the 1-based rank of the sampled token in that distribution.
-2. penalties: repetition penalty over prompt + output tokens (HF/vLLM: a positive logit is
+2. logit_bias (OpenAI's: added to the logits), then penalties: repetition penalty over prompt + output tokens (HF/vLLM: a positive logit is
    divided by it, a negative one multiplied), then OpenAI's frequency and presence penalties over
    output tokens: `logit -= frequency_penalty * count + presence_penalty * (count > 0)`.
-3. suppression of `suppress_token_ids` (logit -inf), then structured outputs' token masks
-   (a disallowed token's logit -inf).
+3. suppression of `suppress_token_ids` (logit -inf), then `allowed_token_ids` and structured
+   outputs' token masks (a disallowed token's logit -inf).
 4. greedy rows take the argmax of the result; the other rows go through temperature, top-k,
    top-p and min-p, then sample with an exponential race `argmax(probs / q)`, q ~ Exp(1).
 
@@ -86,8 +86,10 @@ class Sampler:
         logits = logits.to(torch.float32, copy=True)  # [B, V]
         want_logprobs = any(r.params.logprobs is not None for r in rows)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None  # [B, V]
+        apply_logit_bias(logits, rows)
         apply_penalties(logits, rows)
         apply_suppression(logits, rows)
+        apply_allowed(logits, rows)
         apply_masks(logits, rows)
 
         device = logits.device
@@ -112,7 +114,30 @@ def _has_penalties(p: SamplingParams) -> bool:
 def _is_plain_greedy(row: SamplingRow) -> bool:
     p = row.params
     return (p.greedy and p.logprobs is None and not row.suppress_token_ids and row.token_mask is None
-            and not _has_penalties(p))
+            and not _has_penalties(p) and not p.logit_bias and p.allowed_token_ids is None)
+
+
+def apply_logit_bias(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
+    """Add each row's `logit_bias` to its logits [B, V] in place; ids >= V are ignored."""
+    vocab = logits.shape[1]
+    entries = [(i, t, b) for i, r in enumerate(rows) for t, b in (r.params.logit_bias or {}).items() if t < vocab]
+    if not entries:
+        return
+    index = torch.tensor([(i, t) for i, t, _ in entries], dtype=torch.long, device=logits.device)  # [N, 2]
+    bias = torch.tensor([b for _, _, b in entries], dtype=logits.dtype, device=logits.device)
+    logits.index_put_((index[:, 0], index[:, 1]), bias, accumulate=True)
+
+
+def apply_allowed(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
+    """-inf in logits [B, V] outside each row's `allowed_token_ids` (rows without the list: untouched)."""
+    vocab = logits.shape[1]
+    for i, r in enumerate(rows):
+        allowed = r.params.allowed_token_ids
+        if allowed is None:
+            continue
+        keep = torch.zeros(vocab, dtype=torch.bool, device=logits.device)
+        keep[torch.tensor([t for t in allowed if t < vocab], dtype=torch.long, device=logits.device)] = True
+        logits[i].masked_fill_(~keep, float("-inf"))
 
 
 def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:

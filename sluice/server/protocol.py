@@ -170,6 +170,7 @@ class SamplingRequest(OpenAIRequestModel):
     min_p: Optional[float] = documented(minimum=0, maximum=1)
     repetition_penalty: Optional[float] = documented(exclusiveMinimum=0)
     stop_token_ids: Optional[list[int]] = None
+    allowed_token_ids: Optional[list[int]] = None
     include_stop_str_in_output: Optional[bool] = False
     skip_special_tokens: Optional[bool] = True
     response_format: Optional[ResponseFormat] = None
@@ -238,6 +239,8 @@ class SamplingRequest(OpenAIRequestModel):
             include_stop_str_in_output=bool(self.include_stop_str_in_output),
             skip_special_tokens=self.skip_special_tokens is not False,
             structured_outputs=self.structured_outputs_params(),
+            logit_bias={int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None,
+            allowed_token_ids=list(self.allowed_token_ids) if self.allowed_token_ids is not None else None,
         )
 
 
