@@ -54,7 +54,9 @@ class StructuredOutputsParams:
 
     @property
     def kind(self) -> str:
-        return next(k for k in ("json", "json_object", "regex", "choice", "grammar") if getattr(self, k))
+        if self.json_object:
+            return "json_object"
+        return next(k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None)
 
     def key(self) -> tuple[str, str]:
         """A canonical identity, for caching compiled grammars."""

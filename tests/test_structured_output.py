@@ -79,6 +79,14 @@ def test_params_key_is_canonical():
     assert SO(json_object=True).kind == "json_object"
 
 
+def test_empty_schema_and_empty_regex_are_constraints_too(compiler, tokenizer):
+    assert SO(json={}).kind == "json" and SO(regex="").kind == "regex"
+    anything = compiler.compile(SO(json={})).new_state()   # any JSON value
+    assert {"{", "[", "1", "true"} <= texts(tokenizer, allowed(anything.masks()[0]))
+    empty = compiler.compile(SO(regex="")).new_state()     # only the empty string: end at once
+    assert allowed(empty.masks()[0]) == set(tokenizer.eos_token_ids)
+
+
 def test_min_tokens_is_refused_with_structured_outputs():
     with pytest.raises(ValueError, match="min_tokens"):
         SamplingParams(min_tokens=2, structured_outputs=SO(regex="a+"))
