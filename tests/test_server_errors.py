@@ -79,6 +79,7 @@ BAD_CHAT = {
     "top_logprobs_without_logprobs": (chat(top_logprobs=2), "top_logprobs"),
     "logit_bias_key_not_a_token_id": (chat(logit_bias={"dog": 10}), "logit_bias"),
     "logit_bias_key_out_of_vocab": (chat(logit_bias={"49152": 10}), "logit_bias"),
+    "logit_bias_key_unicode_digit": (chat(logit_bias={"\u00b2": 10}), "logit_bias"),
     "logit_bias_value_out_of_range": (chat(logit_bias={"42": 150}), None),
     "allowed_token_ids_out_of_vocab": (chat(allowed_token_ids=[1, 49152]), "allowed_token_ids"),
     "allowed_token_ids_empty": (chat(allowed_token_ids=[]), None),

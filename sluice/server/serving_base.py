@@ -258,7 +258,7 @@ class OpenAIServing:
             raise APIError(400, "stop strings must not be empty", param="stop")
         vocab = self.tokenizer.vocab_size
         for key in request.logit_bias or {}:
-            if not key.isdigit() or int(key) >= vocab:
+            if not (key.isascii() and key.isdigit()) or int(key) >= vocab:   # "²".isdigit() is True
                 raise APIError(400, f"logit_bias keys must be token ids in [0, {vocab}), got {key!r}",
                                param="logit_bias")
         if request.allowed_token_ids is not None and any(not 0 <= t < vocab for t in request.allowed_token_ids):
