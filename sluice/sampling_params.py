@@ -20,6 +20,8 @@ class StructuredOutputsParams:
     choice: Optional[tuple[str, ...]] = None
     grammar: Optional[str] = None                       # Lark or GBNF (llama.cpp's grammar format)
     disable_any_whitespace: bool = False                # JSON: compact, no whitespace between tokens
+    disable_additional_properties: bool = False         # JSON: objects without the keyword get false
+    whitespace_pattern: Optional[str] = None            # JSON: a regex for the whitespace allowed
 
     def __post_init__(self) -> None:
         if self.choice is not None and not isinstance(self.choice, tuple):
@@ -29,8 +31,12 @@ class StructuredOutputsParams:
         if len(set_) != 1:
             raise ValueError("structured outputs take exactly one of json, json_object, regex, choice "
                              f"and grammar; got {set_ or 'none'}")
-        if self.disable_any_whitespace and self.kind not in ("json", "json_object"):
-            raise ValueError("structured outputs: disable_any_whitespace applies to json and json_object only")
+        json_options = [k for k in ("disable_any_whitespace", "disable_additional_properties", "whitespace_pattern")
+                        if getattr(self, k) not in (False, None)]
+        if json_options and self.kind not in ("json", "json_object"):
+            raise ValueError(f"structured outputs: {', '.join(json_options)} apply to json and json_object only")
+        if self.disable_any_whitespace and self.whitespace_pattern is not None:
+            raise ValueError("structured outputs: disable_any_whitespace and whitespace_pattern contradict each other")
         if self.choice is not None and (not self.choice or not all(isinstance(c, str) and c for c in self.choice)):
             raise ValueError("structured outputs: choice must be a non-empty list of non-empty strings")
         if isinstance(self.json, str):
@@ -44,12 +50,22 @@ class StructuredOutputsParams:
             raise ValueError("structured outputs: a JSON schema must be an object")
 
     def schema(self) -> Any:
-        """json and json_object: the JSON schema to compile (with disable_any_whitespace, told to
-        llguidance in its `x-guidance` options, unless the schema sets them itself)."""
+        """json and json_object: the JSON schema to compile, with the options applied: whitespace
+        ones told to llguidance in its `x-guidance` options (unless the schema sets them itself),
+        disable_additional_properties written into every object schema that does not say."""
         schema = {"type": "object"} if self.json_object else self.json
         schema = json.loads(schema) if isinstance(schema, str) else schema
-        if self.disable_any_whitespace and isinstance(schema, dict):
-            schema = {**schema, "x-guidance": {"whitespace_flexible": False, **schema.get("x-guidance", {})}}
+        if not isinstance(schema, dict):
+            return schema
+        if self.disable_additional_properties:
+            schema = _closed_objects(schema)
+        guidance = {}
+        if self.disable_any_whitespace:
+            guidance["whitespace_flexible"] = False
+        if self.whitespace_pattern is not None:
+            guidance["whitespace_pattern"] = self.whitespace_pattern
+        if guidance:
+            schema = {**schema, "x-guidance": {**guidance, **schema.get("x-guidance", {})}}
         return schema
 
     @property
@@ -61,14 +77,42 @@ class StructuredOutputsParams:
     def key(self) -> tuple[str, str]:
         """A canonical identity, for caching compiled grammars."""
         value = getattr(self, self.kind)
-        if self.disable_any_whitespace:
-            return self.kind + "/compact", json.dumps(self.schema(), sort_keys=True, separators=(",", ":"))
-        if self.kind == "json":
-            value = json.loads(value) if isinstance(value, str) else value
-            return "json", json.dumps(value, sort_keys=True, separators=(",", ":"))
+        if self.kind in ("json", "json_object"):
+            return self.kind, json.dumps(self.schema(), sort_keys=True, separators=(",", ":"))
         if self.kind == "choice":
             return "choice", json.dumps(list(value))
         return self.kind, "" if value is True else value
+
+
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SCHEMA_VALUES = ("items", "additionalItems", "additionalProperties", "contains", "not", "if", "then", "else",
+                  "propertyNames", "unevaluatedItems", "unevaluatedProperties")
+
+
+def _closed_objects(schema: Any) -> Any:
+    """A copy of a JSON schema in which every object schema (one with "properties" or type
+    "object") that does not say otherwise has "additionalProperties": false. Only subschemas are
+    visited (not `enum`, `const`, `default` or other data)."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _SCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: _closed_objects(sub) for name, sub in out[key].items()}
+    for key in _SCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [_closed_objects(sub) for sub in out[key]]
+    for key in _SCHEMA_VALUES:
+        if isinstance(out.get(key), list):         # the old array form of items
+            out[key] = [_closed_objects(sub) for sub in out[key]]
+        elif key in out:
+            out[key] = _closed_objects(out[key])
+    kind = out.get("type")
+    if ("properties" in out or kind == "object" or (isinstance(kind, list) and "object" in kind)) \
+            and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    return out
 
 
 @dataclass

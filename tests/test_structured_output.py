@@ -254,3 +254,39 @@ def test_disable_any_whitespace_makes_json_compact(compiler, tokenizer):
     assert any(t.isspace() for t in after_brace(flexible))
     assert not any(t.strip() != t for t in after_brace(compact)), after_brace(compact)
     assert not any(t.strip() != t for t in after_brace(SO(json_object=True, disable_any_whitespace=True)))
+
+
+def test_disable_additional_properties_closes_every_object_schema_and_nothing_else():
+    schema = {"type": "object", "properties": {
+        "properties": {"type": "object", "properties": {"x": {"type": "integer"}}},   # a field named so
+        "open": {"type": "object", "additionalProperties": True},
+        "items": {"type": "array", "items": {"type": "object", "properties": {"y": {"type": "string"}}}},
+        "pick": {"anyOf": [{"type": "object"}, {"type": "null"}]},
+        "data": {"const": {"type": "object", "properties": {}}},                      # data, not a schema
+    }, "$defs": {"thing": {"properties": {"z": {}}}}}
+    closed = SO(json=schema, disable_additional_properties=True).schema()
+    props = closed["properties"]
+    assert closed["additionalProperties"] is False
+    assert "additionalProperties" not in props                      # the map of properties is not a schema
+    assert props["properties"]["additionalProperties"] is False
+    assert props["open"]["additionalProperties"] is True
+    assert props["items"]["items"]["additionalProperties"] is False
+    assert props["pick"]["anyOf"][0]["additionalProperties"] is False and "additionalProperties" not in props["pick"]["anyOf"][1]
+    assert props["data"]["const"] == {"type": "object", "properties": {}}
+    assert closed["$defs"]["thing"]["additionalProperties"] is False
+    assert "additionalProperties" not in schema                     # the caller's schema is untouched
+    assert SO(json=schema).schema() is schema
+    with pytest.raises(ValueError, match="apply to json"):
+        SO(regex="a", disable_additional_properties=True)
+    with pytest.raises(ValueError, match="contradict"):
+        SO(json_object=True, disable_any_whitespace=True, whitespace_pattern=" ?")
+
+
+def test_whitespace_pattern_reaches_the_grammar(compiler, tokenizer):
+    spec = SO(json={"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]},
+              whitespace_pattern="[ ]?")
+    assert spec.schema()["x-guidance"] == {"whitespace_pattern": "[ ]?"}
+    state = compiler.compile(spec).new_state()
+    assert state.consume(tokenizer.encode("{", add_special_tokens=False)[0])
+    after = texts(tokenizer, allowed(state.masks()[0]))
+    assert not any("\n" in t for t in after), after      # newlines are not in the pattern

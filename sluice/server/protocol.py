@@ -140,6 +140,8 @@ class StructuredOutputsRequest(BaseModel):
     choice: Optional[list[str]] = None
     grammar: Optional[str] = None
     disable_any_whitespace: Optional[bool] = None
+    disable_additional_properties: Optional[bool] = None
+    whitespace_pattern: Optional[str] = None
 
 
 # vLLM's request fields for guided decoding before `structured_outputs` replaced them.
@@ -216,7 +218,9 @@ class SamplingRequest(OpenAIRequestModel):
             return None
         return StructuredOutputsParams(json=so.json_, json_object=bool(so.json_object), regex=so.regex,
                                        choice=tuple(so.choice) if so.choice is not None else None,
-                                       grammar=so.grammar, disable_any_whitespace=bool(so.disable_any_whitespace))
+                                       grammar=so.grammar, disable_any_whitespace=bool(so.disable_any_whitespace),
+                                       disable_additional_properties=bool(so.disable_additional_properties),
+                                       whitespace_pattern=so.whitespace_pattern)
 
     def to_sampling_params(self, max_tokens: int, logprobs: Optional[int]) -> SamplingParams:
         """Raises ValueError for out-of-range values (the caller answers 400)."""
