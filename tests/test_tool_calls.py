@@ -7,11 +7,17 @@ import json
 import pytest
 
 from sluice.server.tool_calls import (
+    ArgumentsDelta,
+    NamedCallStream,
     ParsedToolCall,
+    RequiredCallsStream,
     ToolCallStream,
     arguments_as_objects,
     messages_with_tools,
+    named_call_schema,
+    parse_required_calls,
     parse_tool_calls,
+    required_calls_schema,
     template_handles_tools,
 )
 
@@ -166,3 +172,53 @@ def test_the_server_flags_are_checked_at_startup():
         build_server_config(parser.parse_args(["--enable-auto-tool-choice"]))
     with pytest.raises(ValueError, match="unknown tool call parser"):
         ServerConfig(tool_call_parser="pythonic")
+
+
+# --- forced calls: tool_choice "required" and a named function ------------------------------------
+REQUIRED = ('[{"name": "get_weather", "parameters": {"city": "Pa}]ris \\"{[\\\\", "days": 2}},\n'
+            ' {"name": "get_time", "parameters": {}}]')
+
+
+def test_required_calls_come_out_as_each_element_closes():
+    s = RequiredCallsStream()
+    first_end = REQUIRED.index("}},") + 2
+    assert s.feed(REQUIRED[:first_end - 1]) == []         # braces and brackets inside strings don't count
+    assert s.feed(REQUIRED[first_end - 1:first_end]) == [call("get_weather", city='Pa}]ris "{[\\', days=2)]
+    assert s.feed(REQUIRED[first_end:]) == [call("get_time")]
+    assert s.finish() == []
+    assert parse_required_calls(REQUIRED) == [call("get_weather", city='Pa}]ris "{[\\', days=2), call("get_time")]
+
+
+def test_every_split_of_a_required_reply_gives_the_same_calls():
+    whole = RequiredCallsStream()
+    expected = whole.feed(REQUIRED) + whole.finish()
+    for i in range(len(REQUIRED) + 1):
+        for j in range(i, len(REQUIRED) + 1, 5):
+            s = RequiredCallsStream()
+            assert s.feed(REQUIRED[:i]) + s.feed(REQUIRED[i:j]) + s.feed(REQUIRED[j:]) + s.finish() == expected
+
+
+def test_a_required_reply_cut_short_keeps_its_complete_calls_or_is_text():
+    cut = REQUIRED[:REQUIRED.index("get_time") + 5]
+    s = RequiredCallsStream()
+    assert s.feed(cut) + s.finish() == [call("get_weather", city='Pa}]ris "{[\\', days=2)]
+    early = REQUIRED[:20]
+    s = RequiredCallsStream()
+    assert s.feed(early) + s.finish() == [early]
+    assert parse_required_calls(early) is None
+
+
+def test_forced_call_schemas():
+    tools = [{"type": "function", "function": {"name": "a", "parameters": {"type": "object", "properties": {
+        "x": {"type": "integer"}}}}}, {"type": "function", "function": {"name": "b"}}]
+    assert named_call_schema(tools, "a") == tools[0]["function"]["parameters"]
+    assert named_call_schema(tools, "b") == {"type": "object", "properties": {}}
+    with pytest.raises(ValueError, match="not among the tools"):
+        named_call_schema(tools, "c")
+    schema = required_calls_schema(tools, parallel=True)
+    assert schema["type"] == "array" and schema["minItems"] == 1 and "maxItems" not in schema
+    assert [c["properties"]["name"]["enum"] for c in schema["items"]["anyOf"]] == [["a"], ["b"]]
+    assert required_calls_schema(tools, parallel=False)["maxItems"] == 1
+    s = NamedCallStream("a")
+    assert s.feed('{"x"') + s.feed("") + s.feed(": 1}") + s.finish() == [ArgumentsDelta("a", '{"x"'),
+                                                                         ArgumentsDelta("a", ": 1}")]

@@ -22,7 +22,7 @@ constrained by structured outputs to a JSON schema, so it is a call whatever the
 said. A named function's reply is its arguments (an object of the function's `parameters`
 schema), streamed as argument fragments. "required" constrains the reply to a JSON array of
 `{"name": ..., "parameters": {...}}` objects, one of the tools each (at most one without
-`parallel_tool_calls`), parsed into calls when the reply is complete.
+`parallel_tool_calls`); each call is sent (one delta) as soon as its element of the array closes.
 """
 from __future__ import annotations
 
@@ -157,24 +157,25 @@ def required_calls_schema(tools: list[dict[str, Any]], parallel: bool) -> dict[s
     return schema
 
 
-def parse_required_calls(text: str) -> Optional[list[ParsedToolCall]]:
-    """The calls of a "required" reply, or None when it is not a complete array of calls (a reply
-    cut short by max_tokens)."""
+def _required_call(element: str) -> Optional[ParsedToolCall]:
+    """One element of a "required" reply's array, or None if it is not a call."""
     try:
-        items = json.loads(text)
+        item = json.loads(element)
     except (json.JSONDecodeError, RecursionError):
         return None
-    if not isinstance(items, list) or not items:
+    if not isinstance(item, dict) or not isinstance(item.get("name"), str):
         return None
-    calls = []
-    for item in items:
-        if not isinstance(item, dict) or not isinstance(item.get("name"), str):
-            return None
-        args = item.get("parameters", {})
-        if not isinstance(args, dict):
-            return None
-        calls.append(ParsedToolCall(item["name"], json.dumps(args, ensure_ascii=False)))
-    return calls
+    args = item.get("parameters", {})
+    if not isinstance(args, dict):
+        return None
+    return ParsedToolCall(item["name"], json.dumps(args, ensure_ascii=False))
+
+
+def parse_required_calls(text: str) -> Optional[list[ParsedToolCall]]:
+    """The calls of a "required" reply (those complete, if it was cut short), or None if none is."""
+    stream = RequiredCallsStream()
+    calls = [e for e in stream.feed(text) if isinstance(e, ParsedToolCall)]
+    return calls or None
 
 
 @dataclass
@@ -199,21 +200,51 @@ class NamedCallStream:
 
 
 class RequiredCallsStream:
-    """A "required" reply: held back whole, then its calls (or, if it is not a complete array of
-    calls, its text)."""
+    """A "required" reply, a JSON array of calls: each call is emitted as soon as its element of
+    the array closes (a scan of strings and nesting; the grammar guarantees the JSON is well
+    formed). If no call came out at all (a reply cut short inside the first one), its text is the
+    content."""
 
     def __init__(self) -> None:
         self._text = ""
+        self._scanned = 0
+        self._depth = 0
+        self._in_string = False
+        self._escaped = False
+        self._element_start: Optional[int] = None
+        self._calls = 0
 
     def feed(self, delta: str) -> list[Any]:
         self._text += delta
-        return []
+        events: list[Any] = []
+        for i in range(self._scanned, len(self._text)):
+            ch = self._text[i]
+            if self._in_string:
+                if self._escaped:
+                    self._escaped = False
+                elif ch == "\\":
+                    self._escaped = True
+                elif ch == '"':
+                    self._in_string = False
+            elif ch == '"':
+                self._in_string = True
+            elif ch in "[{":
+                if self._depth == 1 and ch == "{":
+                    self._element_start = i
+                self._depth += 1
+            elif ch in "]}":
+                self._depth -= 1
+                if self._depth == 1 and ch == "}" and self._element_start is not None:
+                    call = _required_call(self._text[self._element_start:i + 1])
+                    self._element_start = None
+                    if call is not None:
+                        self._calls += 1
+                        events.append(call)
+        self._scanned = len(self._text)
+        return events
 
     def finish(self) -> list[Any]:
-        calls = parse_required_calls(self._text)
-        if calls is not None:
-            return list(calls)
-        return [self._text] if self._text else []
+        return [self._text] if not self._calls and self._text else []
 
 
 # --- prompting ------------------------------------------------------------------------------------
