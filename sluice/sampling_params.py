@@ -169,9 +169,6 @@ class SamplingParams:
             raise ValueError("min_tokens must be non-negative")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError("min_tokens must not exceed max_tokens")
-        if self.structured_outputs is not None and self.min_tokens > 0:
-            raise ValueError("min_tokens cannot be combined with structured outputs: the grammar decides "
-                             "where the output may end")
         if self.logit_bias:
             for tok, bias in self.logit_bias.items():
                 if not isinstance(tok, int) or tok < 0:

@@ -521,3 +521,25 @@ def test_structured_outputs_sampled_with_n_and_a_seed_stay_valid(make_llm):
         assert comp.finish_reason == "stop" and re.fullmatch(spec.regex, comp.text), comp.text
     assert len({c.text for c in out.outputs}) > 1
     assert_drained(engine)
+
+
+def test_min_tokens_holds_the_end_back_only_where_the_grammar_allows_more(llm):
+    """min_tokens with a constraint: the end token is suppressed while the grammar allows
+    something else (the output grows to min_tokens), and yields where the grammar is complete."""
+    prompt = encode(llm, _chat("Reply with one word."))
+    laugh = StructuredOutputsParams(regex="(ha)+")
+    [short] = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=24, structured_outputs=laugh))
+    n = len(short.outputs[0].token_ids)
+    assert short.outputs[0].finish_reason == "stop" and n < 12, short.outputs[0]   # it ends on its own
+    held = SamplingParams(temperature=0.0, max_tokens=24, min_tokens=n + 4, structured_outputs=laugh)
+    [long] = llm.generate([prompt], held)
+    assert len(long.outputs[0].token_ids) >= n + 4 and re.fullmatch("(ha)+", long.outputs[0].text), long.outputs[0]
+    # a closed JSON object: once "}" is out only the end token is allowed, well before min_tokens
+    schema = {"type": "object", "properties": {"a": {"enum": ["x", "y"]}}, "required": ["a"],
+              "additionalProperties": False}
+    done = SamplingParams(temperature=0.0, max_tokens=24, min_tokens=20,
+                          structured_outputs=StructuredOutputsParams(json=schema))
+    [obj] = llm.generate([prompt], done)
+    assert obj.outputs[0].finish_reason == "stop" and json.loads(obj.outputs[0].text)["a"] in ("x", "y"), obj.outputs[0]
+    assert len(obj.outputs[0].token_ids) < 20
+    assert_drained(llm)

@@ -201,12 +201,11 @@ def post(server: RemoteServer, path: str = "/chat/completions", **body: Any) -> 
     ({"structured_outputs": {"choice": []}}, None),
     ({"structured_outputs": {"json": "{oops"}}, None),
     ({"structured_outputs": {"structural_tag": "x"}}, "structured_outputs"),
-    ({"structured_outputs": {"regex": "a+"}, "min_tokens": 2}, None),
     ({"guided_json": {"type": "object"}}, "guided_json"),
     ({"guided_choice": ["a", "b"]}, "guided_choice"),
 ], ids=["invalid_schema", "json_schema_without_schema", "unknown_type", "both_fields", "bad_regex",
         "bad_grammar", "two_constraints", "empty_choice", "json_text_not_json", "unknown_key",
-        "with_min_tokens", "removed_guided_json", "removed_guided_choice"])
+        "removed_guided_json", "removed_guided_choice"])
 def test_bad_constraints_are_400(server: RemoteServer, body: dict[str, Any], param) -> None:
     for path in ("/chat/completions", "/completions"):
         resp = post(server, path, **body)

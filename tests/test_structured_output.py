@@ -19,6 +19,7 @@ from sluice.engine.structured_output import (
     GrammarCompiler,
     allowed_tokens,
     apply_token_masks,
+    leaves_a_token,
     mask_words,
 )
 from sluice.config import SpeculativeConfig
@@ -87,9 +88,12 @@ def test_empty_schema_and_empty_regex_are_constraints_too(compiler, tokenizer):
     assert allowed(empty.masks()[0]) == set(tokenizer.eos_token_ids)
 
 
-def test_min_tokens_is_refused_with_structured_outputs():
-    with pytest.raises(ValueError, match="min_tokens"):
-        SamplingParams(min_tokens=2, structured_outputs=SO(regex="a+"))
+def test_leaves_a_token_on_hand_built_masks():
+    mask = _bitmask([2, 31, 40], VOCAB)
+    assert leaves_a_token(mask, [2]) and leaves_a_token(mask, [2, 31])
+    assert not leaves_a_token(mask, [2, 31, 40])
+    assert not leaves_a_token(_bitmask([31], VOCAB), [31])   # the sign bit of an int32 word
+    assert leaves_a_token(mask, [VOCAB + 5])                   # ids past the vocabulary are ignored
 
 
 # --- the compiler -------------------------------------------------------------------------------
@@ -290,3 +294,26 @@ def test_whitespace_pattern_reaches_the_grammar(compiler, tokenizer):
     assert state.consume(tokenizer.encode("{", add_special_tokens=False)[0])
     after = texts(tokenizer, allowed(state.masks()[0]))
     assert not any("\n" in t for t in after), after      # newlines are not in the pattern
+
+
+def test_min_tokens_yields_where_the_grammar_allows_only_the_end(compiler, tokenizer):
+    """The runner's rows: min_tokens suppresses the end token while the grammar allows more, and
+    not once the grammar allows nothing else (the row would have no token left)."""
+    from sluice.engine.model_runner import ModelRunner
+    from sluice.engine.request import Request
+
+    eos = tokenizer.eos_token_ids
+    spec = SO(json={"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
+                    "additionalProperties": False})
+    params = SamplingParams(temperature=0.0, min_tokens=50, max_tokens=60, structured_outputs=spec)
+    req = Request("r", [1, 2, 3], params, 60, 0.0, eos, grammar=compiler.compile(spec).new_state())
+    for tok in tokenizer.encode('{"a": 7', add_special_tokens=False):
+        req.append_output_token(tok)
+    [row] = ModelRunner._rows(req, [])
+    assert set(row.suppress_token_ids) == set(eos)          # "}" or more digits are still possible
+    closing = tokenizer.encode("}", add_special_tokens=False)
+    rows = ModelRunner._rows(req, closing)                   # a draft that completes the object
+    assert set(rows[0].suppress_token_ids) == set(eos) and rows[1].suppress_token_ids == ()
+    logits = torch.zeros(2, VOCAB)
+    out = Sampler()(logits, rows).token_ids.tolist()
+    assert out[1] == eos[0] and out[0] != eos[0]

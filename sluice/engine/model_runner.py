@@ -15,6 +15,7 @@ from sluice.engine.sampler import Sampler, SamplingRow
 from sluice.engine.scheduler import SchedulerOutput
 from sluice.engine.spec_decode import accept
 from sluice.engine.state_pool import StateLayout
+from sluice.engine.structured_output import leaves_a_token
 from sluice.model.registry import model_cache_spec
 from sluice.outputs import Logprob
 
@@ -135,9 +136,12 @@ class ModelRunner:
         masks = req.grammar.masks(drafts) if req.grammar is not None else None
         rows = []
         for i in range(len(drafts) + 1):
+            suppress = req.suppressed_token_ids(i)
+            if suppress and masks is not None and not leaves_a_token(masks[i], suppress):
+                suppress = ()   # min_tokens yields where the grammar allows nothing but an end
             rows.append(SamplingRow(params=req.params, prompt_token_ids=req.prompt_token_ids,
                                     output_token_ids=[*req.output_token_ids, *drafts[:i]] if i else req.output_token_ids,
-                                    generator=req.generator, suppress_token_ids=req.suppressed_token_ids(i),
+                                    generator=req.generator, suppress_token_ids=suppress,
                                     token_mask=masks[i] if masks is not None else None))
         return rows
 

@@ -15,7 +15,7 @@ carries a `GrammarState`, a matcher that advances with every token appended to i
 
 The grammar decides where the output ends: once it is complete only an end-of-sequence token is
 allowed, and a matcher that has consumed it (or can take nothing more) finishes the request with
-"stop". Compiled grammars are cached by their canonical text (agent traffic sends the same schema
+"stop". `min_tokens` holds the end back only where the grammar allows something else. Compiled grammars are cached by their canonical text (agent traffic sends the same schema
 with every call), and compiling a new one is done by the server in a worker thread before the
 request reaches the engine, so a large schema never stalls the engine's step loop.
 """
@@ -26,6 +26,7 @@ import threading
 from collections import OrderedDict
 from typing import Optional, Sequence
 
+import numpy as np
 import torch
 
 from sluice.sampling_params import StructuredOutputsParams
@@ -42,6 +43,15 @@ def allowed_tokens(masks: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """Bitmasks [R, W] int32 -> allowed [R, vocab_size] bool."""
     bits = (masks.unsqueeze(-1) >> _BITS) & 1          # [R, W, 32]
     return bits.view(masks.shape[0], -1)[:, :vocab_size].bool()
+
+
+def leaves_a_token(mask: torch.Tensor, banned: Sequence[int]) -> bool:
+    """Whether bitmask [W] allows some token outside `banned` (min_tokens' suppressed end tokens)."""
+    words = mask.numpy().view(np.uint32).copy()
+    for t in banned:
+        if 0 <= t < 32 * len(words):
+            words[t // 32] &= np.uint32(~(1 << (t % 32)) & 0xFFFFFFFF)
+    return bool(words.any())
 
 
 def apply_token_masks(logits: torch.Tensor, masks: torch.Tensor) -> None:
