@@ -76,12 +76,11 @@ class StructuredOutputsParams:
 
     def key(self) -> tuple[str, str]:
         """A canonical identity, for caching compiled grammars."""
-        value = getattr(self, self.kind)
         if self.kind in ("json", "json_object"):
             return self.kind, json.dumps(self.schema(), sort_keys=True, separators=(",", ":"))
         if self.kind == "choice":
-            return "choice", json.dumps(list(value))
-        return self.kind, "" if value is True else value
+            return "choice", json.dumps(list(self.choice))
+        return self.kind, getattr(self, self.kind)
 
 
 _SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
@@ -180,10 +179,6 @@ class SamplingParams:
                 raise ValueError("allowed_token_ids must be a non-empty list of token ids")
         if self.logprobs is not None and not 0 <= self.logprobs <= _MAX_LOGPROBS:
             raise ValueError(f"logprobs must be in [0, {_MAX_LOGPROBS}]")
-
-    def token_ids_used(self) -> list[int]:
-        """Token ids the params name (logit_bias keys, allowed_token_ids), for a vocabulary check."""
-        return [*(self.logit_bias or {}), *(self.allowed_token_ids or [])]
 
     @property
     def greedy(self) -> bool:

@@ -112,9 +112,9 @@ class LLMEngine:
             raise RequestRejected("the prompt is empty", param="prompt")
         if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= self.vocab_size:
             raise RequestRejected(f"prompt token ids must be in [0, {self.vocab_size})", param="prompt")
-        if any(t >= self.vocab_size for t in params.token_ids_used()):
-            raise RequestRejected(f"token ids in logit_bias and allowed_token_ids must be in [0, {self.vocab_size})",
-                                  param="logit_bias" if params.logit_bias else "allowed_token_ids")
+        for name, ids in (("logit_bias", params.logit_bias or ()), ("allowed_token_ids", params.allowed_token_ids or ())):
+            if any(t >= self.vocab_size for t in ids):
+                raise RequestRejected(f"{name} token ids must be in [0, {self.vocab_size})", param=name)
         prompt_len = len(prompt_token_ids)
         max_tokens = params.max_tokens
         if max_tokens is None:

@@ -4,9 +4,10 @@ Order of operations, as in vLLM's sampler:
 1. logprobs, when any row asks, from the raw model distribution `log_softmax(logits)`
    (vLLM 0.x's default): penalties, suppression, temperature and truncation do not change them.
    The rank is the 1-based rank of the sampled token in that distribution.
-2. logit_bias (OpenAI's: added to the logits), then penalties: repetition penalty over prompt + output tokens (HF/vLLM: a positive logit is
-   divided by it, a negative one multiplied), then OpenAI's frequency and presence penalties over
-   output tokens: `logit -= frequency_penalty * count + presence_penalty * (count > 0)`.
+2. logit_bias (OpenAI's: added to the logits), then penalties: repetition penalty over prompt +
+   output tokens (HF/vLLM: a positive logit is divided by it, a negative one multiplied), then
+   OpenAI's frequency and presence penalties over output tokens:
+   `logit -= frequency_penalty * count + presence_penalty * (count > 0)`.
 3. suppression of `suppress_token_ids` (logit -inf), then `allowed_token_ids` and structured
    outputs' token masks (a disallowed token's logit -inf).
 4. greedy rows take the argmax of the result; the other rows go through temperature, top-k,

@@ -15,8 +15,9 @@ carries a `GrammarState`, a matcher that advances with every token appended to i
 
 The grammar decides where the output ends: once it is complete only an end-of-sequence token is
 allowed, and a matcher that has consumed it (or can take nothing more) finishes the request with
-"stop". `min_tokens` holds the end back only where the grammar allows something else. Compiled grammars are cached by their canonical text (agent traffic sends the same schema
-with every call), and compiling a new one is done by the server in a worker thread before the
+"stop". `min_tokens` holds the end back only where the grammar allows something else. Compiled
+grammars are cached by their canonical text (agent traffic sends the same schema with every
+call), and compiling a new one is done by the server in a worker thread before the
 request reaches the engine, so a large schema never stalls the engine's step loop.
 """
 from __future__ import annotations

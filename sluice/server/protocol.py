@@ -216,11 +216,7 @@ class SamplingRequest(OpenAIRequestModel):
         so = self.structured_outputs
         if so is None:
             return None
-        return StructuredOutputsParams(json=so.json_, json_object=bool(so.json_object), regex=so.regex,
-                                       choice=tuple(so.choice) if so.choice is not None else None,
-                                       grammar=so.grammar, disable_any_whitespace=bool(so.disable_any_whitespace),
-                                       disable_additional_properties=bool(so.disable_additional_properties),
-                                       whitespace_pattern=so.whitespace_pattern)
+        return StructuredOutputsParams(**so.model_dump(by_alias=True, exclude_none=True))
 
     def to_sampling_params(self, max_tokens: int, logprobs: Optional[int]) -> SamplingParams:
         """Raises ValueError for out-of-range values (the caller answers 400)."""
@@ -477,17 +473,13 @@ class DeltaToolCall(_DropNone):
     function: DeltaFunctionCall
 
 
-class DeltaMessage(BaseModel):
+class DeltaMessage(_DropNone):
     """Only the fields a chunk carries: `{"role": "assistant", "content": ""}`, `{"content": "..."}`,
     `{"tool_calls": [...]}` or `{}` (the chunk with the finish reason)."""
 
     role: Optional[Literal["assistant"]] = None
     content: Optional[str] = None
     tool_calls: Optional[list[DeltaToolCall]] = None
-
-    @model_serializer(mode="wrap")
-    def _drop_none(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        return {k: v for k, v in handler(self).items() if v is not None}
 
 
 class ChatCompletionStreamChoice(BaseModel):

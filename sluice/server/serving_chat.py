@@ -49,6 +49,7 @@ from sluice.server.tool_calls import (
     ToolCallStream,
     named_call_schema,
     prepare_chat,
+    reply_parts,
     required_calls_schema,
     tool_call_id,
 )
@@ -168,7 +169,7 @@ class OpenAIServingChat(OpenAIServing):
             content, calls, parsed = sample.text, [], False
             if parse_tools is not None:
                 parser = parse_tools()
-                content, calls, parsed = _reply_parts(parser.feed(sample.text) + parser.finish())
+                content, calls, parsed = reply_parts(parser.feed(sample.text) + parser.finish())
             if calls and request.parallel_tool_calls is False:
                 calls = calls[:1]
             choices.append(ChatCompletionChoice(
@@ -294,20 +295,6 @@ class OpenAIServingChat(OpenAIServing):
     def _top_logprob(self, logprob: Logprob) -> TopLogprob:
         text = self.token_text(logprob.token_id)
         return TopLogprob(token=text, logprob=logprob.logprob, bytes=list(text.encode()))
-
-
-def _reply_parts(events: list[Any]) -> tuple[Optional[str], list[ParsedToolCall], bool]:
-    """A whole reply's parser events as (content, calls, whether calls were parsed from text): a
-    named function's argument fragments make one call; content is None when there are only calls."""
-    content = "".join(e for e in events if isinstance(e, str))
-    calls = [e for e in events if isinstance(e, ParsedToolCall)]
-    fragments = [e for e in events if isinstance(e, ArgumentsDelta)]
-    parsed = bool(calls)
-    if fragments:
-        calls.append(ParsedToolCall(fragments[0].name, "".join(f.text for f in fragments)))
-    if calls and not content.strip():
-        return None, calls, parsed
-    return content, calls, parsed
 
 
 def _finish_reason(reason: Optional[str], made_calls: bool) -> Optional[str]:

@@ -70,12 +70,22 @@ def parse_tool_calls(text: str) -> tuple[Optional[str], list[ParsedToolCall]]:
     does not parse stays in the content as written; an unclosed last block is parsed up to the end
     of the text (a model that stopped at its end-of-turn token without the closing tag)."""
     stream = ToolCallStream()
-    events = stream.feed(text) + stream.finish()
+    content, calls, _ = reply_parts(stream.feed(text) + stream.finish())
+    return content, calls
+
+
+def reply_parts(events: list[Any]) -> tuple[Optional[str], list[ParsedToolCall], bool]:
+    """A whole reply's parser events as (content, calls, whether calls were parsed from text): a
+    named function's argument fragments make one call; content is None when there are only calls."""
     content = "".join(e for e in events if isinstance(e, str))
     calls = [e for e in events if isinstance(e, ParsedToolCall)]
+    fragments = [e for e in events if isinstance(e, ArgumentsDelta)]
+    parsed = bool(calls)
+    if fragments:
+        calls.append(ParsedToolCall(fragments[0].name, "".join(f.text for f in fragments)))
     if calls and not content.strip():
-        return None, calls
-    return content, calls
+        return None, calls, parsed
+    return content, calls, parsed
 
 
 class ToolCallStream:
