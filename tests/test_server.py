@@ -12,6 +12,7 @@ import openai
 import pytest
 
 from server_utils import RemoteServer, metric, scrape_metrics, wait_until_idle
+from sluice.model.default import ensure_default_model
 
 SERVER_ARGS = ["--max-model-len", "2048", "--kv-cache-tokens", "16384"]
 MESSAGES = [{"role": "user", "content": "Name three colors."}]
@@ -226,6 +227,88 @@ def test_workflow_fields_and_unknown_fields_are_accepted(client: openai.OpenAI, 
                     "some_future_field": {"x": 1}},
     )
     assert resp.choices[0].finish_reason in ("stop", "length")
+
+
+# -- /tokenize and /detokenize (vLLM's endpoints), and vLLM's chat template fields --------------
+
+CHAT = [
+    {"role": "system", "content": "You answer in one sentence."},
+    {"role": "user", "content": "What is the capital of France?"},
+    {"role": "assistant", "content": "The capital of France is"},
+]
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizer():
+    """The reference: transformers' tokenizer and chat template from the served GGUF."""
+    from transformers import AutoTokenizer
+
+    path = ensure_default_model()
+    return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+
+
+def post(server: RemoteServer, path: str, body: dict) -> dict:
+    resp = httpx.post(server.url + path, json=body, timeout=60)
+    assert resp.status_code == 200, resp.text
+    return resp.json()
+
+
+def reference_chat_ids(hf_tokenizer, messages: list[dict], **options) -> list[int]:
+    text = hf_tokenizer.apply_chat_template(messages, tokenize=False, **options)
+    return hf_tokenizer.encode(text, add_special_tokens=False)
+
+
+def test_tokenize_prompt_matches_transformers_and_detokenize_inverts_it(
+    server: RemoteServer, client: openai.OpenAI, model: str, hf_tokenizer
+) -> None:
+    text = LONG_PROMPT + " café 🐍"
+    got = post(server, "/tokenize", {"model": model, "prompt": text, "return_token_strs": True})
+    assert got["tokens"] == hf_tokenizer.encode(text)
+    assert got["token_strs"] == hf_tokenizer.convert_ids_to_tokens(got["tokens"])
+    assert got["count"] == len(got["tokens"]) and got["max_model_len"] == 2048
+    assert post(server, "/tokenize", {"prompt": text})["token_strs"] is None
+    # what a completion with the same prompt runs on
+    usage = client.completions.create(model=model, prompt=text, max_tokens=1).usage
+    assert usage is not None and usage.prompt_tokens == got["count"]
+    assert post(server, "/detokenize", {"model": model, "tokens": got["tokens"]}) == {"prompt": text}
+    # special tokens are kept, as the tokenizer's decode keeps them by default
+    im_start = hf_tokenizer.convert_tokens_to_ids("<|im_start|>")
+    assert post(server, "/detokenize", {"tokens": [im_start] + got["tokens"][:3]})["prompt"] == (
+        hf_tokenizer.decode([im_start] + got["tokens"][:3]))
+
+
+def test_tokenize_chat_is_the_prompt_chat_completions_run_on(
+    server: RemoteServer, client: openai.OpenAI, model: str, hf_tokenizer
+) -> None:
+    question = CHAT[:2]
+    for add in (True, False):
+        got = post(server, "/tokenize", {"messages": question, "add_generation_prompt": add})
+        assert got["tokens"] == reference_chat_ids(hf_tokenizer, question, add_generation_prompt=add)
+    usage = client.chat.completions.create(model=model, messages=question, max_tokens=1).usage
+    assert usage is not None and usage.prompt_tokens == post(server, "/tokenize", {"messages": question})["count"]
+    # template variables pass through (SmolLM2's template ignores this one)
+    assert post(server, "/tokenize", {"messages": question, "chat_template_kwargs": {"enable_thinking": False}}) == (
+        post(server, "/tokenize", {"messages": question}))
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    with_tools = post(server, "/tokenize", {"messages": question, "tools": tools})
+    usage = client.chat.completions.create(model=model, messages=question, tools=tools, tool_choice="none",
+                                           max_tokens=1).usage
+    assert usage is not None and usage.prompt_tokens == with_tools["count"] > len(
+        reference_chat_ids(hf_tokenizer, question, add_generation_prompt=True))
+
+
+def test_continue_final_message_continues_the_assistant_turn(
+    server: RemoteServer, client: openai.OpenAI, model: str, hf_tokenizer
+) -> None:
+    fields = {"continue_final_message": True, "add_generation_prompt": False}
+    got = post(server, "/tokenize", {"messages": CHAT, **fields})
+    assert got["tokens"] == reference_chat_ids(hf_tokenizer, CHAT, continue_final_message=True)
+    closed = reference_chat_ids(hf_tokenizer, CHAT, add_generation_prompt=False)
+    assert closed[:len(got["tokens"])] == got["tokens"] and len(closed) > len(got["tokens"])
+    reply = client.chat.completions.create(model=model, messages=CHAT, max_tokens=8, temperature=0, extra_body=fields)
+    same = client.completions.create(model=model, prompt=got["tokens"], max_tokens=8, temperature=0)
+    assert reply.choices[0].message.content == same.choices[0].text
+    assert reply.usage is not None and reply.usage.prompt_tokens == got["count"]
 
 
 def test_load_and_metrics(server: RemoteServer) -> None:

@@ -88,6 +88,13 @@ BAD_CHAT = {
     "presence_penalty_out_of_range": (chat(presence_penalty=3.0), None),
     "min_tokens_above_max_tokens": (chat(min_tokens=10, max_tokens=4), None),
     "streaming_bad_request": (chat(stream=True, temperature=-1), None),
+    "continue_final_message_with_generation_prompt": (chat(continue_final_message=True), "continue_final_message"),
+    "continue_final_message_without_content": (chat(
+        messages=[{"role": "user", "content": "Hi"}, {"role": "assistant", "content": ""}],
+        continue_final_message=True, add_generation_prompt=False), "continue_final_message"),
+    "chat_template_in_request": (chat(chat_template="{{ messages }}"), "chat_template"),
+    "chat_template_kwargs_replacing_messages": (chat(chat_template_kwargs={"messages": []}), "chat_template_kwargs"),
+    "chat_template_kwargs_not_an_object": (chat(chat_template_kwargs=[1]), "chat_template_kwargs"),
     # Tool calls are parsed only by a server started with --enable-auto-tool-choice.
     "tools_without_auto_tool_choice": (chat(tools=[{"type": "function", "function": {"name": "f"}}]), "tool_choice"),
 }
@@ -106,6 +113,40 @@ BAD_COMPLETION = {
     "best_of": (completion(best_of=3), "best_of"),
     "echo_with_logprobs": (completion(echo=True, logprobs=1), "echo"),
 }
+
+
+BAD_TOKENIZE = {
+    "prompt_wrong_type": ({"prompt": 12}, "prompt"),
+    "neither_prompt_nor_messages": ({"text": "hi"}, "prompt"),
+    "messages_empty": ({"messages": []}, "messages"),
+    "continue_final_message_with_generation_prompt": (
+        {"messages": [{"role": "user", "content": "Hi"}], "continue_final_message": True}, "continue_final_message"),
+    "chat_template_kwargs_replacing_tools": (
+        {"messages": [{"role": "user", "content": "Hi"}], "chat_template_kwargs": {"tools": []}}, "chat_template_kwargs"),
+}
+
+BAD_DETOKENIZE = {
+    "tokens_missing": ({}, "tokens"),
+    "tokens_not_ints": ({"tokens": ["a"]}, "tokens"),
+    "token_out_of_vocab": ({"tokens": [1, 49152]}, "tokens"),
+    "token_negative": ({"tokens": [-1]}, "tokens"),
+}
+
+
+@pytest.mark.parametrize("body,param", BAD_TOKENIZE.values(), ids=BAD_TOKENIZE.keys())
+def test_bad_tokenize_request(server: RemoteServer, body: dict[str, Any], param: Optional[str]) -> None:
+    assert_openai_error(httpx.post(server.url + "/tokenize", json=body), 400, param=param)
+
+
+@pytest.mark.parametrize("body,param", BAD_DETOKENIZE.values(), ids=BAD_DETOKENIZE.keys())
+def test_bad_detokenize_request(server: RemoteServer, body: dict[str, Any], param: Optional[str]) -> None:
+    assert_openai_error(httpx.post(server.url + "/detokenize", json=body), 400, param=param)
+
+
+def test_tokenize_for_another_model_is_404(server: RemoteServer) -> None:
+    for path, body in [("/tokenize", {"prompt": "hi"}), ("/detokenize", {"tokens": [1]})]:
+        assert_openai_error(httpx.post(server.url + path, json={"model": "other", **body}), 404,
+                            code="model_not_found")
 
 
 @pytest.mark.parametrize("body,param", BAD_CHAT.values(), ids=BAD_CHAT.keys())
@@ -225,18 +266,22 @@ def auth_server() -> Iterator[RemoteServer]:
         yield remote
 
 
-def test_api_key_required_on_v1(auth_server: RemoteServer) -> None:
+def test_api_key_required_on_v1_and_tokenize(auth_server: RemoteServer) -> None:
     url = auth_server.base_url
     for headers in [{}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY},
                     {"Authorization": f"Basic {API_KEY}"}]:
         assert_openai_error(httpx.get(url + "/models", headers=headers), 401, code="invalid_api_key")
         assert_openai_error(httpx.post(url + "/completions", json=completion(), headers=headers), 401)
+        assert_openai_error(httpx.post(auth_server.url + "/tokenize", json={"prompt": "a"}, headers=headers), 401)
+        assert_openai_error(httpx.post(auth_server.url + "/detokenize", json={"tokens": [1]}, headers=headers), 401)
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=url, api_key="wrong", max_retries=0).models.list()
     client = openai.OpenAI(base_url=url, api_key=API_KEY, max_retries=0)
     assert client.models.list().data[0].id == MODEL
     resp = client.completions.create(model=MODEL, prompt="Hello", max_tokens=2)
     assert resp.usage is not None and resp.usage.completion_tokens <= 2
+    ok = httpx.post(auth_server.url + "/tokenize", json={"prompt": "a"}, headers={"Authorization": f"Bearer {API_KEY}"})
+    assert ok.status_code == 200 and ok.json()["count"] == 1
 
 
 def test_health_open_and_metrics_guarded(auth_server: RemoteServer) -> None:

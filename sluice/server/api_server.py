@@ -27,13 +27,17 @@ from sluice.server.protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
     LoadInfo,
     ModelCard,
     ModelList,
+    TokenizeResponse,
 )
 from sluice.server.serving_base import ClientDisconnected, api_error_from
 from sluice.server.serving_chat import OpenAIServingChat
 from sluice.server.serving_completion import OpenAIServingCompletion
+from sluice.server.serving_tokenize import OpenAIServingTokenization, tokenize_request_model
 
 logger = logging.getLogger(__name__)
 
@@ -161,6 +165,7 @@ def build_app(
     metrics = ServerMetrics(engine.stats, model_name)
     chat = OpenAIServingChat(engine, server_config, model_name, metrics)
     completion = OpenAIServingCompletion(engine, server_config, model_name, metrics)
+    tokenization = OpenAIServingTokenization(engine, server_config, model_name, metrics)
     lifecycle = lifecycle or ServerLifecycle(engine, server_config.shutdown_timeout_s)
 
     @asynccontextmanager
@@ -206,6 +211,17 @@ def build_app(
         return await completion.create_completion(request, raw_request)
 
     app.include_router(v1)
+
+    # vLLM serves these at the root, beside /v1; behind the API key like /v1 when one is set.
+    @app.post("/tokenize", dependencies=auth)
+    async def tokenize(raw_request: Request) -> TokenizeResponse:
+        body = await read_json_body(raw_request, server_config.max_request_bytes)
+        return tokenization.tokenize(parse_request(tokenize_request_model(body), body))
+
+    @app.post("/detokenize", dependencies=auth)
+    async def detokenize(raw_request: Request) -> DetokenizeResponse:
+        body = await read_json_body(raw_request, server_config.max_request_bytes)
+        return tokenization.detokenize(parse_request(DetokenizeRequest, body))
 
     @app.get("/health")
     async def health() -> Response:

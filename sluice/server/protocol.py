@@ -327,14 +327,17 @@ class ChatMessage(OpenAIRequestModel):
         return message
 
 
-class ChatCompletionRequest(SamplingRequest):
+class ChatTemplateInput(OpenAIRequestModel):
+    """What the chat template renders, for /v1/chat/completions and /tokenize (vLLM's extras
+    `add_generation_prompt`, `continue_final_message`, `chat_template_kwargs` included)."""
+
     messages: list[ChatMessage] = documented(..., minItems=1)
-    max_completion_tokens: Optional[int] = documented(minimum=1)
-    logprobs: Optional[bool] = False
-    top_logprobs: Optional[int] = documented(minimum=0)
     tools: Optional[list[ChatTool]] = None
-    tool_choice: Optional[Union[Literal["none", "auto", "required"], NamedToolChoice]] = None
-    parallel_tool_calls: Optional[bool] = True
+    add_generation_prompt: Optional[bool] = True
+    continue_final_message: Optional[bool] = False
+    chat_template_kwargs: Optional[dict[str, Any]] = None
+    add_special_tokens: Optional[bool] = False   # on top of what the template writes
+    chat_template: Optional[str] = None   # refused: the served model's template is the only one
 
     @field_validator("messages")
     @classmethod
@@ -342,6 +345,14 @@ class ChatCompletionRequest(SamplingRequest):
         if not messages:
             raise ValueError("messages must contain at least one message")
         return messages
+
+
+class ChatCompletionRequest(SamplingRequest, ChatTemplateInput):
+    max_completion_tokens: Optional[int] = documented(minimum=1)
+    logprobs: Optional[bool] = False
+    top_logprobs: Optional[int] = documented(minimum=0)
+    tool_choice: Optional[Union[Literal["none", "auto", "required"], NamedToolChoice]] = None
+    parallel_tool_calls: Optional[bool] = True
 
     @property
     def requested_max_tokens(self) -> Optional[int]:
@@ -376,6 +387,27 @@ class CompletionRequest(SamplingRequest):
         if all(isinstance(p, int) for p in self.prompt):
             return [list(self.prompt)]  # type: ignore[arg-type]
         return list(self.prompt)  # type: ignore[arg-type]
+
+
+class TokenizeCompletionRequest(OpenAIRequestModel):
+    """POST /tokenize with a prompt (vLLM's API)."""
+
+    model: Optional[str] = None
+    prompt: str
+    add_special_tokens: Optional[bool] = True
+    return_token_strs: Optional[bool] = False
+
+
+class TokenizeChatRequest(ChatTemplateInput):
+    """POST /tokenize with messages: the prompt a chat completion with them would run on."""
+
+    model: Optional[str] = None
+    return_token_strs: Optional[bool] = False
+
+
+class DetokenizeRequest(OpenAIRequestModel):
+    model: Optional[str] = None
+    tokens: list[int]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -535,6 +567,17 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: Optional[list[str]] = None
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
 
 
 class LoadInfo(BaseModel):

@@ -8,7 +8,7 @@ import logging
 import math
 from collections import deque
 from dataclasses import dataclass
-from typing import AsyncIterator, Callable, Optional, Union
+from typing import Any, AsyncIterator, Callable, Optional, Union
 
 from pydantic import BaseModel
 from starlette.requests import Request
@@ -21,11 +21,15 @@ from sluice.engine.errors import EngineDeadError, RequestRejected
 from sluice.outputs import CompletionOutput, Logprob, RequestOutput
 from sluice.sampling_params import SamplingParams
 from sluice.server.metrics import ServerMetrics
-from sluice.server.protocol import REMOVED_GUIDED_FIELDS, APIError, SamplingRequest
+from sluice.server.protocol import REMOVED_GUIDED_FIELDS, APIError, ChatTemplateInput, SamplingRequest
+from sluice.server.tool_calls import prepare_chat
+from sluice.tokenizer import ChatTemplateError
 
 logger = logging.getLogger(__name__)
 
 WORKFLOW_HEADER = "x-workflow-id"
+# What sluice itself passes to a chat template; `chat_template_kwargs` may not replace them.
+TEMPLATE_VARIABLES = frozenset({"messages", "tools", "add_generation_prompt", "bos_token", "eos_token"})
 
 
 def api_error_from(exc: BaseException) -> APIError:
@@ -276,6 +280,37 @@ class OpenAIServing:
         except ValueError as e:
             raise APIError(400, str(e), param=param) from e
 
+    def render_chat(self, request: ChatTemplateInput) -> list[int]:
+        """The prompt token ids of a chat: the served model's template over the messages (and
+        tools), ending in the assistant's turn (`add_generation_prompt`) or, with
+        `continue_final_message`, inside the final message, which the reply then continues."""
+        if request.chat_template is not None:
+            raise APIError(400, "chat_template is not accepted in a request; the server renders "
+                           "with the served model's template", param="chat_template")
+        kwargs: dict[str, Any] = dict(request.chat_template_kwargs or {})
+        taken = sorted(TEMPLATE_VARIABLES.intersection(kwargs))
+        if taken:
+            raise APIError(400, f"chat_template_kwargs may not set {', '.join(taken)}; use the request's "
+                           "own fields", param="chat_template_kwargs")
+        continue_final = bool(request.continue_final_message)
+        if continue_final and request.add_generation_prompt:
+            raise APIError(400, "continue_final_message and add_generation_prompt cannot both be true "
+                           "(set add_generation_prompt to false)", param="continue_final_message")
+        messages = [m.to_template_dict() for m in request.messages]
+        tools = [t.model_dump(exclude_none=True) for t in request.tools] if request.tools else None
+        try:
+            messages, tools = prepare_chat(messages, tools, self.tokenizer.info.chat_template)
+        except ValueError as e:
+            raise APIError(400, str(e), param="messages") from e
+        try:
+            text = self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=bool(request.add_generation_prompt), tools=tools, **kwargs)
+        except ChatTemplateError as e:
+            raise APIError(400, str(e), param="messages") from e
+        if continue_final:
+            text = _open_final_message(text, request.messages[-1].text)
+        return self.tokenizer.encode(text, add_special_tokens=bool(request.add_special_tokens))
+
     def check_logprobs(self, num: Optional[int], param: str) -> None:
         if num is not None and not 0 <= num <= self.server_config.max_logprobs:
             raise APIError(400, f"{param} must be in [0, {self.server_config.max_logprobs}]", param=param)
@@ -367,3 +402,13 @@ class OpenAIServing:
         end = len(output.token_ids)
         start = end - output.num_new_tokens
         return list(zip(output.token_ids[start:end], output.logprobs[start:end]))
+
+
+def _open_final_message(text: str, final: str) -> str:
+    """`text` (a rendered chat) cut right after the final message's content, so that what the
+    template writes to close that message (its end-of-turn) is left for the model to continue."""
+    end = text.rfind(final) + len(final) if final else -1
+    if not final or end < len(final):
+        raise APIError(400, "continue_final_message needs a final message with content that the chat "
+                       "template writes out verbatim", param="continue_final_message")
+    return text[:end]

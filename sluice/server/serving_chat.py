@@ -48,13 +48,11 @@ from sluice.server.tool_calls import (
     RequiredCallsStream,
     ToolCallStream,
     named_call_schema,
-    prepare_chat,
     reply_parts,
     required_calls_schema,
     tool_call_id,
 )
 from sluice.sampling_params import StructuredOutputsParams
-from sluice.tokenizer import ChatTemplateError
 
 _MIN_LOGPROB = -9999.0  # stands for -inf, which JSON cannot carry
 
@@ -66,7 +64,8 @@ class OpenAIServingChat(OpenAIServing):
         self.check_request(request)
         num_logprobs = self._num_logprobs(request)
         parse_tools, forced = self._tool_choice(request)
-        prompt_ids = self._render_prompt(request)
+        prompt_ids = self.render_chat(request)
+        self.check_prompt_ids(prompt_ids, "messages")
         params = self.sampling_params(request, len(prompt_ids), num_logprobs, prompt_param="messages")
         if forced is not None:
             try:
@@ -132,21 +131,6 @@ class OpenAIServingChat(OpenAIServing):
             return (lambda: NamedCallStream(name)), StructuredOutputsParams(json=schema)
         schema = required_calls_schema(tools, parallel=request.parallel_tool_calls is not False)
         return RequiredCallsStream, StructuredOutputsParams(json=schema)
-
-    def _render_prompt(self, request: ChatCompletionRequest) -> list[int]:
-        messages = [m.to_template_dict() for m in request.messages]
-        tools = [t.model_dump(exclude_none=True) for t in request.tools] if request.tools else None
-        try:
-            messages, tools = prepare_chat(messages, tools, self.tokenizer.info.chat_template)
-        except ValueError as e:
-            raise APIError(400, str(e), param="messages") from e
-        try:
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=tools)
-        except ChatTemplateError as e:
-            raise APIError(400, str(e), param="messages") from e
-        prompt_ids = self.tokenizer.encode(text, add_special_tokens=False)
-        self.check_prompt_ids(prompt_ids, "messages")
-        return prompt_ids
 
     async def _collect(
         self, request: ChatCompletionRequest, request_id: str, prompt_len: int,
