@@ -60,6 +60,11 @@ class Tokenizer:
             self._template = env.from_string(info.chat_template)
 
     @property
+    def template_globals(self) -> frozenset[str]:
+        """Names the chat template environment defines (range, namespace, raise_exception, ...)."""
+        return frozenset(self._template.environment.globals) if self._template is not None else frozenset()
+
+    @property
     def has_chat_template(self) -> bool:
         return self._template is not None
 
@@ -85,6 +90,9 @@ class Tokenizer:
     ) -> str:
         if self._template is None:
             raise ChatTemplateError("this model has no chat template; use /v1/completions")
+        shadowed = sorted(self.template_globals.intersection(kwargs))
+        if shadowed:
+            raise ChatTemplateError(f"template variables may not replace the template's own: {', '.join(shadowed)}")
         try:
             return self._template.render(
                 messages=messages,
@@ -94,7 +102,8 @@ class Tokenizer:
                 eos_token=self.eos_token or "",
                 **kwargs,
             )
-        except jinja2.TemplateError as e:
+        except (jinja2.TemplateError, TypeError, ValueError, KeyError, AttributeError) as e:
+            # the template met a value it cannot use (e.g. a chat_template_kwargs value of the wrong type)
             raise ChatTemplateError(f"chat template error: {e}") from e
 
     @classmethod

@@ -94,6 +94,8 @@ BAD_CHAT = {
         continue_final_message=True, add_generation_prompt=False), "continue_final_message"),
     "chat_template_in_request": (chat(chat_template="{{ messages }}"), "chat_template"),
     "chat_template_kwargs_replacing_messages": (chat(chat_template_kwargs={"messages": []}), "chat_template_kwargs"),
+    "chat_template_kwargs_replacing_a_template_function": (chat(chat_template_kwargs={"raise_exception": 1}),
+                                                            "chat_template_kwargs"),
     "chat_template_kwargs_not_an_object": (chat(chat_template_kwargs=[1]), "chat_template_kwargs"),
     # Tool calls are parsed only by a server started with --enable-auto-tool-choice.
     "tools_without_auto_tool_choice": (chat(tools=[{"type": "function", "function": {"name": "f"}}]), "tool_choice"),

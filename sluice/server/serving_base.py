@@ -288,7 +288,7 @@ class OpenAIServing:
             raise APIError(400, "chat_template is not accepted in a request; the server renders "
                            "with the served model's template", param="chat_template")
         kwargs: dict[str, Any] = dict(request.chat_template_kwargs or {})
-        taken = sorted(TEMPLATE_VARIABLES.intersection(kwargs))
+        taken = sorted((TEMPLATE_VARIABLES | self.tokenizer.template_globals).intersection(kwargs))
         if taken:
             raise APIError(400, f"chat_template_kwargs may not set {', '.join(taken)}; use the request's "
                            "own fields", param="chat_template_kwargs")
