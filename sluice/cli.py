@@ -67,6 +67,9 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                    help="answer tool calls the model writes as `tool_calls` (tool_choice \"auto\"; needs --tool-call-parser)")
     p.add_argument("--tool-call-parser", default=None, choices=["hermes"],
                    help="the model's tool-call format: hermes (<tool_call>{json}</tool_call>)")
+    p.add_argument("--responses-store-size", type=int, default=1024,
+                   help="how many /v1/responses are kept for previous_response_id, least recently used "
+                        "dropped first; 0 keeps none (default 1024)")
     p.add_argument("--fault-inject-after-steps", type=int, default=None, help=argparse.SUPPRESS)
 
 
@@ -140,6 +143,7 @@ def build_server_config(args: argparse.Namespace):
         log_requests=args.log_requests,
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         tool_call_parser=args.tool_call_parser,
+        responses_store_size=args.responses_store_size,
         fault_inject_after_steps=args.fault_inject_after_steps,
     )
 

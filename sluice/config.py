@@ -182,6 +182,7 @@ class ServerConfig:
     log_requests: bool = False
     enable_auto_tool_choice: bool = False  # parse tool calls out of replies (tool_choice "auto")
     tool_call_parser: Optional[str] = None  # the model's tool-call format: "hermes"
+    responses_store_size: int = 1024      # stored /v1/responses (previous_response_id), LRU; 0: none
     fault_inject_after_steps: Optional[int] = None  # tests only: the engine loop fails after N busy steps
 
     def __post_init__(self) -> None:
@@ -189,6 +190,8 @@ class ServerConfig:
             raise ValueError("server bounds must be positive")
         if self.shutdown_timeout_s < 0:
             raise ValueError("shutdown_timeout_s must be >= 0")
+        if self.responses_store_size < 0:
+            raise ValueError("responses_store_size must be >= 0")
         if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_PARSERS:
             raise ValueError(f"unknown tool call parser {self.tool_call_parser!r}; choose from {list(TOOL_PARSERS)}")
         if self.enable_auto_tool_choice and self.tool_call_parser is None:

@@ -46,11 +46,11 @@ def cap_output(case: Any) -> Any:
     (zero, negative, past the context, wrong types) are kept, since those are what is tested."""
     body = case.body
     if isinstance(body, dict):
-        for key in ("max_tokens", "max_completion_tokens"):
+        for key in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
             value = body.get(key)
             if isinstance(value, int) and not isinstance(value, bool) and MAX_OUTPUT < value < MAX_MODEL_LEN:
                 body[key] = MAX_OUTPUT
-        if body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
+        if all(body.get(k) is None for k in ("max_tokens", "max_completion_tokens", "max_output_tokens")):
             body["max_tokens"] = MAX_OUTPUT
     return case
 
@@ -93,7 +93,7 @@ raw_bodies = st.one_of(
 def test_raw_body_fuzz(server: RemoteServer) -> None:
     with httpx.Client(base_url=server.base_url, timeout=60) as http:
         @settings(FUZZ, max_examples=60)
-        @given(path=st.sampled_from(["/completions", "/chat/completions"]), body=raw_bodies)
+        @given(path=st.sampled_from(["/completions", "/chat/completions", "/responses"]), body=raw_bodies)
         def fuzz(path: str, body: bytes) -> None:
             resp = http.post(path, content=body, headers={"content-type": "application/json"})
             assert_answered(resp.status_code, resp.headers.get("content-type", ""), resp.text, body)

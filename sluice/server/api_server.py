@@ -7,12 +7,12 @@ import json
 import logging
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any, AsyncIterator, Awaitable, Callable, Optional, TypeVar
+from typing import Any, AsyncIterator, Awaitable, Callable, Optional
 
 import uvicorn
 from fastapi import APIRouter, Depends, FastAPI
 from fastapi.exceptions import RequestValidationError
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
@@ -32,16 +32,16 @@ from sluice.server.protocol import (
     LoadInfo,
     ModelCard,
     ModelList,
+    ResponsesRequest,
     TokenizeResponse,
 )
-from sluice.server.serving_base import ClientDisconnected, api_error_from
+from sluice.server.serving_base import ClientDisconnected, api_error_from, parse_request, validation_error
 from sluice.server.serving_chat import OpenAIServingChat
 from sluice.server.serving_completion import OpenAIServingCompletion
+from sluice.server.serving_responses import OpenAIServingResponses
 from sluice.server.serving_tokenize import OpenAIServingTokenization, tokenize_request_model
 
 logger = logging.getLogger(__name__)
-
-RequestModel = TypeVar("RequestModel", bound=BaseModel)
 
 _CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that went away; nobody reads it
 
@@ -95,26 +95,6 @@ def _check_unicode(value: Any) -> None:
             stack.extend(item)
 
 
-def _validation_error(e: ValidationError | RequestValidationError) -> APIError:
-    errors = e.errors()
-    parts = []
-    for err in errors[:3]:
-        loc = ".".join(str(x) for x in err.get("loc", ()) if x != "body")
-        msg = str(err.get("msg", "invalid value")).removeprefix("Value error, ")
-        parts.append(f"{loc}: {msg}" if loc else msg)
-    if len(errors) > 3:
-        parts.append(f"(and {len(errors) - 3} more)")
-    first_loc = [str(x) for x in errors[0].get("loc", ()) if x != "body"] if errors else []
-    return APIError(400, "invalid request: " + "; ".join(parts), param=first_loc[0] if first_loc else None)
-
-
-def parse_request(model: type[RequestModel], body: Any) -> RequestModel:
-    try:
-        return model.model_validate(body)
-    except ValidationError as e:
-        raise _validation_error(e) from e
-
-
 def _bearer_auth(api_key: str) -> Callable[[Request], Awaitable[None]]:
     expected = api_key.encode()
 
@@ -134,7 +114,7 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     async def on_validation_error(_: Request, exc: Exception) -> Response:
         assert isinstance(exc, RequestValidationError)
-        return error_response(_validation_error(exc))
+        return error_response(validation_error(exc))
 
     async def on_http_error(_: Request, exc: Exception) -> Response:
         assert isinstance(exc, StarletteHTTPException)
@@ -166,6 +146,8 @@ def build_app(
     chat = OpenAIServingChat(engine, server_config, model_name, metrics)
     completion = OpenAIServingCompletion(engine, server_config, model_name, metrics)
     tokenization = OpenAIServingTokenization(engine, server_config, model_name, metrics)
+    responses = OpenAIServingResponses(engine, server_config, model_name, metrics,
+                                       store_size=server_config.responses_store_size)
     lifecycle = lifecycle or ServerLifecycle(engine, server_config.shutdown_timeout_s)
 
     @asynccontextmanager
@@ -209,6 +191,20 @@ def build_app(
         body = await read_json_body(raw_request, server_config.max_request_bytes)
         request = parse_request(CompletionRequest, body)
         return await completion.create_completion(request, raw_request)
+
+    @v1.post("/responses", openapi_extra=_json_body(ResponsesRequest))
+    async def create_response(raw_request: Request) -> Response:
+        body = await read_json_body(raw_request, server_config.max_request_bytes)
+        request = parse_request(ResponsesRequest, body)
+        return await responses.create_response(request, raw_request)
+
+    @v1.get("/responses/{response_id}")
+    async def retrieve_response(response_id: str) -> Response:
+        return JSONResponse(responses.retrieve(response_id))
+
+    @v1.delete("/responses/{response_id}")
+    async def delete_response(response_id: str) -> Response:
+        return JSONResponse(responses.delete(response_id))
 
     app.include_router(v1)
 
@@ -261,7 +257,8 @@ def _document_request_bodies(app: FastAPI) -> None:
         if app.openapi_schema is None:
             spec = generate()
             _, defs = models_json_schema(
-                [(ChatCompletionRequest, "validation"), (CompletionRequest, "validation")],
+                [(ChatCompletionRequest, "validation"), (CompletionRequest, "validation"),
+                 (ResponsesRequest, "validation")],
                 ref_template="#/components/schemas/{model}",
             )
             spec.setdefault("components", {}).setdefault("schemas", {}).update(defs.get("$defs", {}))

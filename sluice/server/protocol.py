@@ -410,6 +410,63 @@ class DetokenizeRequest(OpenAIRequestModel):
     tokens: list[int]
 
 
+class ResponsesFunctionTool(OpenAIRequestModel):
+    """A Responses API tool: only functions (OpenAI's hosted tools need OpenAI)."""
+
+    type: Literal["function"]
+    name: str = Field(pattern=_FUNCTION_NAME)
+    description: Optional[str] = None
+    parameters: Optional[dict[str, Any]] = None
+    strict: Optional[bool] = None
+
+
+class ResponsesNamedFunction(OpenAIRequestModel):
+    type: Literal["function"]
+    name: str
+
+
+class ResponsesTextFormat(OpenAIRequestModel):
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False, populate_by_name=True)
+    type: Literal["text", "json_object", "json_schema"]
+    name: Optional[str] = None
+    schema_: Optional[dict[str, Any]] = Field(None, alias="schema")
+    description: Optional[str] = None
+    strict: Optional[bool] = None
+
+
+class ResponsesTextConfig(OpenAIRequestModel):
+    format: Optional[ResponsesTextFormat] = None
+
+
+class ResponsesRequest(OpenAIRequestModel):
+    """POST /v1/responses (OpenAI's Responses API, text and function tools). Other fields are
+    passed on as they would be on a chat completion (vLLM's sampling extensions, `seed`, ...)."""
+
+    model: Optional[str] = None
+    input: Union[str, list[dict[str, Any]]]
+    instructions: Optional[str] = None
+    previous_response_id: Optional[str] = None
+    store: Optional[bool] = True
+    stream: Optional[bool] = False
+    max_output_tokens: Optional[int] = documented(minimum=1)
+    temperature: Optional[float] = documented(minimum=0)
+    top_p: Optional[float] = documented(exclusiveMinimum=0, maximum=1)
+    tools: Optional[list[ResponsesFunctionTool]] = None
+    tool_choice: Optional[Union[Literal["none", "auto", "required"], ResponsesNamedFunction]] = None
+    parallel_tool_calls: Optional[bool] = True
+    text: Optional[ResponsesTextConfig] = None
+    truncation: Optional[Literal["disabled", "auto"]] = None
+    metadata: Optional[dict[str, str]] = None
+    user: Optional[str] = None
+    background: Optional[bool] = False
+    include: Optional[list[str]] = None
+    reasoning: Optional[dict[str, Any]] = None
+    top_logprobs: Optional[int] = None
+    max_tool_calls: Optional[int] = documented(minimum=1)
+    workflow_id: Optional[Union[str, int]] = None
+    is_last_step: Optional[bool] = False
+
+
 # ---------------------------------------------------------------------------------------------
 # Responses
 # ---------------------------------------------------------------------------------------------

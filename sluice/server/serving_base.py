@@ -8,9 +8,10 @@ import logging
 import math
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Callable, Optional, Union
+from typing import Any, AsyncIterator, Callable, Optional, TypeVar, Union
 
-from pydantic import BaseModel
+from fastapi.exceptions import RequestValidationError
+from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
@@ -28,6 +29,7 @@ from sluice.tokenizer import ChatTemplateError
 logger = logging.getLogger(__name__)
 
 WORKFLOW_HEADER = "x-workflow-id"
+RequestModel = TypeVar("RequestModel", bound=BaseModel)
 # What sluice itself passes to a chat template; `chat_template_kwargs` may not replace them.
 TEMPLATE_VARIABLES = frozenset({"messages", "tools", "add_generation_prompt", "bos_token", "eos_token"})
 
@@ -44,6 +46,27 @@ def api_error_from(exc: BaseException) -> APIError:
     if isinstance(exc, EngineDeadError):
         return APIError(503, f"the engine is not running: {exc}", code="engine_dead")
     return APIError(500, f"internal error: {type(exc).__name__}: {exc}", code="internal_error")
+
+
+def validation_error(e: ValidationError | RequestValidationError) -> APIError:
+    """A 400 naming the first invalid field (and up to three problems)."""
+    errors = e.errors()
+    parts = []
+    for err in errors[:3]:
+        loc = ".".join(str(x) for x in err.get("loc", ()) if x != "body")
+        msg = str(err.get("msg", "invalid value")).removeprefix("Value error, ")
+        parts.append(f"{loc}: {msg}" if loc else msg)
+    if len(errors) > 3:
+        parts.append(f"(and {len(errors) - 3} more)")
+    first_loc = [str(x) for x in errors[0].get("loc", ()) if x != "body"] if errors else []
+    return APIError(400, "invalid request: " + "; ".join(parts), param=first_loc[0] if first_loc else None)
+
+
+def parse_request(model: type[RequestModel], body: Any) -> RequestModel:
+    try:
+        return model.model_validate(body)
+    except ValidationError as e:
+        raise validation_error(e) from e
 
 
 def raise_if_failed(output: RequestOutput) -> None:

@@ -1,0 +1,508 @@
+"""POST /v1/responses: OpenAI's Responses API (text and function tools) on the chat path.
+
+A request is translated into the chat completion it amounts to (its `input` items and
+`instructions` become messages, `tools` and `tool_choice` the chat's, `text.format` a
+`response_format`), which then goes through the chat endpoint's checks, template, tool parsing
+and structured outputs; only the answer's shape differs: output items (an assistant `message`
+with `output_text`, `function_call`s) and, streamed, the Responses events (`response.created`,
+`response.output_item.added`, `response.output_text.delta`, ..., `response.completed`).
+
+Conversation state: a response made with `store` (the default, as at OpenAI) is kept in a bounded
+in-memory store (`--responses-store-size`, least recently used first out), so a next call can send
+only its new items with `previous_response_id`; GET and DELETE /v1/responses/{id} read and drop
+one. A chain of responses is one workflow for the scheduler (its first response's id, unless the
+call names a workflow), so a follow-up finds its conversation's KV retained.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Callable, Optional
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from sluice.outputs import CompletionOutput
+from sluice.server.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    ResponsesRequest,
+    now_s,
+    random_id,
+)
+from sluice.server.serving_base import (
+    WORKFLOW_HEADER,
+    EngineCall,
+    GenerationStreams,
+    SSEResponse,
+    api_error_from,
+    parse_request,
+    raise_if_failed,
+)
+from sluice.server.serving_chat import OpenAIServingChat
+from sluice.server.tool_calls import ArgumentsDelta, ParsedToolCall, tool_call_id
+
+INPUT_ROLES = ("user", "system", "developer", "assistant")
+# Request fields of the Responses API that are not chat fields; everything else in the body
+# (vLLM's sampling extensions, seed, ...) is passed to the chat request as it is.
+_RESPONSES_ONLY = {"input", "instructions", "previous_response_id", "store", "stream", "max_output_tokens",
+                   "tools", "tool_choice", "text", "truncation", "metadata", "background", "include",
+                   "reasoning", "top_logprobs", "max_tool_calls"}
+
+
+# A chat field named in an error -> the Responses field it came from.
+_CHAT_PARAMS = {"messages": "input", "max_tokens": "max_output_tokens", "max_completion_tokens": "max_output_tokens",
+                "response_format": "text"}
+
+
+@dataclass
+class StoredResponse:
+    response: dict[str, Any]          # the response object as it was answered
+    messages: list[dict[str, Any]]    # the conversation so far as chat messages, without instructions
+    workflow_id: Optional[str]        # the chain's workflow
+
+
+class ResponseStore:
+    """Stored responses by id, at most `capacity`, least recently used evicted first."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._items: OrderedDict[str, StoredResponse] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def put(self, response_id: str, item: StoredResponse) -> None:
+        if self.capacity <= 0:
+            return
+        with self._lock:
+            self._items[response_id] = item
+            self._items.move_to_end(response_id)
+            while len(self._items) > self.capacity:
+                self._items.popitem(last=False)
+
+    def get(self, response_id: str) -> Optional[StoredResponse]:
+        with self._lock:
+            item = self._items.get(response_id)
+            if item is not None:
+                self._items.move_to_end(response_id)
+            return item
+
+    def delete(self, response_id: str) -> bool:
+        with self._lock:
+            return self._items.pop(response_id, None) is not None
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
+def not_found(response_id: str, param: Optional[str] = None) -> APIError:
+    return APIError(404, f"no stored response with id {response_id!r} (responses are kept in memory, the "
+                    "most recent --responses-store-size of them)", param=param, code="response_not_found")
+
+
+# --- input items -> chat messages ------------------------------------------------------------
+
+def _text_of(content: Any, where: str) -> str:
+    """A message's content: a string, or a list of text parts (input_text / output_text)."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise APIError(400, f"{where}.content must be a string or a list of content parts", param="input")
+    texts = []
+    for part in content:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in ("input_text", "output_text", "text") or not isinstance(part.get("text"), str):
+            raise APIError(400, f"{where}: content part type {kind!r} is not supported; only text parts "
+                           "(input_text, output_text)", param="input")
+        texts.append(part["text"])
+    return "".join(texts)
+
+
+def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The chat messages of a Responses `input`: messages, the model's earlier function calls (one
+    assistant message per turn) and their outputs (tool messages)."""
+    if isinstance(items, str):
+        return [{"role": "user", "content": items}]
+    messages: list[dict[str, Any]] = []
+    for i, item in enumerate(items):
+        where = f"input[{i}]"
+        kind = item.get("type", "message")
+        if kind == "message":
+            role = item.get("role")
+            if role not in INPUT_ROLES:
+                raise APIError(400, f"{where}.role must be one of {', '.join(INPUT_ROLES)}", param="input")
+            messages.append({"role": role, "content": _text_of(item.get("content"), where)})
+        elif kind == "function_call":
+            name, arguments, call_id = item.get("name"), item.get("arguments"), item.get("call_id")
+            if not (isinstance(name, str) and isinstance(arguments, str) and isinstance(call_id, str)):
+                raise APIError(400, f"{where}: a function_call needs string name, arguments and call_id",
+                               param="input")
+            call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+            last = messages[-1] if messages else None
+            if last is not None and last["role"] == "assistant":
+                last.setdefault("tool_calls", []).append(call)
+            else:
+                messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
+        elif kind == "function_call_output":
+            call_id, output = item.get("call_id"), item.get("output")
+            if not isinstance(call_id, str):
+                raise APIError(400, f"{where}: a function_call_output needs a string call_id", param="input")
+            messages.append({"role": "tool", "tool_call_id": call_id, "content": _text_of(output, where)})
+        else:
+            raise APIError(400, f"{where}: input items of type {kind!r} are not supported (message, "
+                           "function_call, function_call_output)", param="input")
+    return messages
+
+
+def output_message(items: list[dict[str, Any]]) -> dict[str, Any]:
+    """The assistant chat message of a response's output items (for the stored conversation)."""
+    text = "".join(part["text"] for item in items if item["type"] == "message" for part in item["content"])
+    calls = [{"id": item["call_id"], "type": "function",
+              "function": {"name": item["name"], "arguments": item["arguments"]}}
+             for item in items if item["type"] == "function_call"]
+    message: dict[str, Any] = {"role": "assistant", "content": text}
+    if calls:
+        message["tool_calls"] = calls
+    return message
+
+
+# --- output items, built from the parser's events ------------------------------------------------
+
+class OutputItems:
+    """The output items of one reply, built from its events (text strings, whole tool calls,
+    argument fragments of a named call) as they come; each method returns the stream events it
+    causes, as (type, fields) pairs. Text that is only whitespace is held until more text comes,
+    so a reply that only calls tools has no empty message item."""
+
+    def __init__(self, max_calls: Optional[int]) -> None:
+        self.items: list[dict[str, Any]] = []
+        self._open: Optional[dict[str, Any]] = None     # the item being generated
+        self._blank = ""                                 # held whitespace
+        self._max_calls = max_calls
+        self._calls = 0
+
+    def add(self, event: Any) -> list[tuple[str, dict[str, Any]]]:
+        if isinstance(event, str):
+            return self._text(event)
+        if isinstance(event, ParsedToolCall):
+            if self._max_calls is not None and self._calls >= self._max_calls:
+                return []
+            self._calls += 1
+            out = self._close("completed")
+            item = self._new_call(event.name)
+            out += [("response.output_item.added", {"output_index": len(self.items) - 1, "item": dict(item)})]
+            out += self._arguments(event.arguments)
+            return out + self._close("completed")
+        if isinstance(event, ArgumentsDelta):
+            out: list[tuple[str, dict[str, Any]]] = []
+            if self._open is None or self._open["type"] != "function_call":
+                out += self._close("completed")
+                self._calls += 1
+                item = self._new_call(event.name)
+                out.append(("response.output_item.added", {"output_index": len(self.items) - 1, "item": dict(item)}))
+            return out + self._arguments(event.text)
+        raise TypeError(f"unexpected parser event {event!r}")
+
+    def finish(self, status: str) -> list[tuple[str, dict[str, Any]]]:
+        """Closes the open item with `status` ("completed" or "incomplete"); a reply with no item
+        at all gets its (possibly empty) text as a message."""
+        if not self.items:
+            out = self._open_message()
+            out += self._delta(self._blank) if self._blank else []
+            self._blank = ""
+            return out + self._close(status)
+        return self._close(status)
+
+    # -- internals --
+
+    def _text(self, text: str) -> list[tuple[str, dict[str, Any]]]:
+        if self._open is None or self._open["type"] != "message":
+            if not (self._blank + text).strip():
+                self._blank += text
+                return []
+            out = self._close("completed") + self._open_message()
+            text, self._blank = self._blank + text, ""
+            return out + self._delta(text)
+        return self._delta(text)
+
+    def _open_message(self) -> list[tuple[str, dict[str, Any]]]:
+        item = {"type": "message", "id": random_id("msg"), "status": "in_progress", "role": "assistant",
+                "content": []}
+        self.items.append(item)
+        self._open = item
+        index = len(self.items) - 1
+        return [("response.output_item.added", {"output_index": index, "item": _copy(item)}),
+                ("response.content_part.added", {"item_id": item["id"], "output_index": index, "content_index": 0,
+                                                 "part": _text_part("")})]
+
+    def _delta(self, text: str) -> list[tuple[str, dict[str, Any]]]:
+        item = self._open
+        assert item is not None and item["type"] == "message"
+        if not item["content"]:
+            item["content"].append(_text_part(""))
+        item["content"][0]["text"] += text
+        return [("response.output_text.delta", {"item_id": item["id"], "output_index": len(self.items) - 1,
+                                                "content_index": 0, "delta": text, "logprobs": []})]
+
+    def _new_call(self, name: str) -> dict[str, Any]:
+        item = {"type": "function_call", "id": random_id("fc"), "call_id": tool_call_id(), "name": name,
+                "arguments": "", "status": "in_progress"}
+        self.items.append(item)
+        self._open = item
+        return item
+
+    def _arguments(self, text: str) -> list[tuple[str, dict[str, Any]]]:
+        item = self._open
+        assert item is not None and item["type"] == "function_call"
+        item["arguments"] += text
+        return [("response.function_call_arguments.delta", {"item_id": item["id"], "output_index": len(self.items) - 1,
+                                                            "delta": text})]
+
+    def _close(self, status: str) -> list[tuple[str, dict[str, Any]]]:
+        item, self._open = self._open, None
+        if item is None:
+            return []
+        item["status"] = status
+        index = len(self.items) - 1
+        if item["type"] == "function_call":
+            return [("response.function_call_arguments.done", {"item_id": item["id"], "output_index": index,
+                                                               "name": item["name"], "arguments": item["arguments"]}),
+                    ("response.output_item.done", {"output_index": index, "item": _copy(item)})]
+        if not item["content"]:
+            item["content"].append(_text_part(""))
+        part = item["content"][0]
+        return [("response.output_text.done", {"item_id": item["id"], "output_index": index, "content_index": 0,
+                                               "text": part["text"], "logprobs": []}),
+                ("response.content_part.done", {"item_id": item["id"], "output_index": index, "content_index": 0,
+                                                "part": dict(part)}),
+                ("response.output_item.done", {"output_index": index, "item": _copy(item)})]
+
+
+def _text_part(text: str) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+def _copy(item: dict[str, Any]) -> dict[str, Any]:
+    return json.loads(json.dumps(item))
+
+
+# --- the endpoint --------------------------------------------------------------------------------
+
+class OpenAIServingResponses(OpenAIServingChat):
+    def __init__(self, *args: Any, store_size: int, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.store = ResponseStore(store_size)
+
+    async def create_response(self, request: ResponsesRequest, raw_request: Request) -> Response:
+        arrival = time.monotonic()
+        self.check_model(request.model)
+        self._check_fields(request)
+        previous = None
+        if request.previous_response_id is not None:
+            previous = self.store.get(request.previous_response_id)
+            if previous is None:
+                raise not_found(request.previous_response_id, param="previous_response_id")
+        history = list(previous.messages) if previous is not None else []
+        new_messages = input_messages(request.input)
+        if not new_messages:
+            raise APIError(400, "input must hold at least one item", param="input")
+        system = [{"role": "system", "content": request.instructions}] if request.instructions else []
+        try:   # the chat endpoint's checks, with its errors naming this request's fields
+            chat = parse_request(ChatCompletionRequest, self._chat_body(request, system + history + new_messages))
+            self.check_request(chat)
+            parse_tools, forced = self._tool_choice(chat)
+            prompt_ids = self.render_chat(chat)
+            self.check_prompt_ids(prompt_ids, "input")
+            params = self.sampling_params(chat, len(prompt_ids), None, prompt_param="input")
+            if forced is not None:
+                params = dataclasses.replace(params, structured_outputs=forced)
+            await self.check_structured_outputs(params, "tool_choice" if forced is not None else "text")
+        except APIError as e:
+            e.param = _CHAT_PARAMS.get(e.param, e.param)
+            raise
+        response_id = random_id("resp")
+        workflow = self.workflow_info(chat, raw_request)
+        if not raw_request.headers.get(WORKFLOW_HEADER) and request.workflow_id is None:
+            # the chain is the workflow: the first response's id, carried by the stored ones
+            chain = previous.workflow_id if previous is not None else (response_id if request.store else None)
+            if chain is not None:
+                workflow = dataclasses.replace(workflow, workflow_id=chain)
+        streams = await self.start_streams(raw_request, [EngineCall(response_id, prompt_ids, params)], workflow,
+                                           arrival)
+        reply = _Reply(self, request, response_id, len(prompt_ids), parse_tools, history + new_messages,
+                       workflow.workflow_id)
+        if request.stream:
+            streams.stop_watching()
+            return SSEResponse(reply.stream(streams), on_close=streams.close)
+        async for _, output in streams:
+            reply.update(output)
+        return Response(json.dumps(reply.finish(), ensure_ascii=False), media_type="application/json")
+
+    def retrieve(self, response_id: str) -> dict[str, Any]:
+        stored = self.store.get(response_id)
+        if stored is None:
+            raise not_found(response_id)
+        return stored.response
+
+    def delete(self, response_id: str) -> dict[str, Any]:
+        if not self.store.delete(response_id):
+            raise not_found(response_id)
+        return {"id": response_id, "object": "response.deleted", "deleted": True}
+
+    @staticmethod
+    def _check_fields(request: ResponsesRequest) -> None:
+        if request.background:
+            raise APIError(400, "background responses are not supported", param="background")
+        if request.include:
+            raise APIError(400, f"include is not supported (asked for {', '.join(request.include)})", param="include")
+        if request.top_logprobs:
+            raise APIError(400, "top_logprobs is not supported on /v1/responses; use /v1/chat/completions",
+                           param="top_logprobs")
+        if request.truncation == "auto":
+            raise APIError(400, 'truncation "auto" is not supported: a conversation longer than the context '
+                           "is a 400, never silently cut", param="truncation")
+        if request.reasoning and any(v is not None for v in request.reasoning.values()):
+            raise APIError(400, "this model does not reason; reasoning options are not supported", param="reasoning")
+
+    @staticmethod
+    def _chat_body(request: ResponsesRequest, messages: list[dict[str, Any]]) -> dict[str, Any]:
+        body: dict[str, Any] = {k: v for k, v in (request.model_extra or {}).items() if k not in _RESPONSES_ONLY}
+        body.update(
+            model=request.model, messages=messages, n=1, stream=False,
+            max_completion_tokens=request.max_output_tokens, temperature=request.temperature, top_p=request.top_p,
+            parallel_tool_calls=request.parallel_tool_calls, user=request.user, workflow_id=request.workflow_id,
+            is_last_step=request.is_last_step,
+        )
+        if request.tools:
+            body["tools"] = [{"type": "function", "function": t.model_dump(exclude={"type", "strict"}, exclude_none=True)}
+                             for t in request.tools]
+        choice = request.tool_choice
+        if choice is not None:
+            body["tool_choice"] = choice if isinstance(choice, str) else {"type": "function",
+                                                                         "function": {"name": choice.name}}
+        elif request.tools:
+            body["tool_choice"] = "auto"
+        fmt = request.text.format if request.text is not None else None
+        if fmt is not None and fmt.type == "json_object":
+            body["response_format"] = {"type": "json_object"}
+        elif fmt is not None and fmt.type == "json_schema":
+            if fmt.schema_ is None:
+                raise APIError(400, 'text.format of type "json_schema" needs a schema', param="text")
+            body["response_format"] = {"type": "json_schema", "json_schema": {
+                "name": fmt.name or "response", "schema": fmt.schema_, "strict": fmt.strict}}
+        return body
+
+    def response_object(self, request: ResponsesRequest, response_id: str, created: int, status: str,
+                        output: list[dict[str, Any]], usage: Optional[dict[str, Any]] = None,
+                        error: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+        fmt = request.text.format.model_dump(by_alias=True, exclude_none=True) if (
+            request.text is not None and request.text.format is not None) else {"type": "text"}
+        choice = request.tool_choice
+        return {
+            "id": response_id, "object": "response", "created_at": created, "status": status,
+            "error": error,
+            "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+            "instructions": request.instructions, "max_output_tokens": request.max_output_tokens,
+            "model": self.model_name, "output": output,
+            "parallel_tool_calls": request.parallel_tool_calls is not False,
+            "previous_response_id": request.previous_response_id, "reasoning": None,
+            "store": bool(request.store), "temperature": 1.0 if request.temperature is None else request.temperature,
+            "text": {"format": fmt},
+            "tool_choice": choice if isinstance(choice, str) else (
+                choice.model_dump() if choice is not None else ("auto" if request.tools else "none")),
+            "tools": [t.model_dump(exclude_none=True) for t in request.tools or []],
+            "top_p": 1.0 if request.top_p is None else request.top_p, "truncation": "disabled",
+            "usage": usage, "user": request.user, "metadata": request.metadata or {}, "background": False,
+        }
+
+
+class _Reply:
+    """One response being generated: feeds the engine's outputs through the tool parser into
+    output items, and gives the final response object (stored when the request says so)."""
+
+    def __init__(self, serving: OpenAIServingResponses, request: ResponsesRequest, response_id: str,
+                 prompt_len: int, parse_tools: Optional[Callable[[], Any]], conversation: list[dict[str, Any]],
+                 workflow_id: Optional[str]) -> None:
+        self.serving = serving
+        self.request = request
+        self.response_id = response_id
+        self.created = now_s()
+        self.prompt_len = prompt_len
+        self.parser = parse_tools() if parse_tools is not None else None
+        self.items = OutputItems(max_calls=1 if request.parallel_tool_calls is False else request.max_tool_calls)
+        self.conversation = conversation
+        self.workflow_id = workflow_id
+        self.sample: Optional[CompletionOutput] = None
+        self.cached_tokens = 0
+
+    def update(self, output: Any) -> list[tuple[str, dict[str, Any]]]:
+        """The stream events of one engine output (raises if the request failed)."""
+        events: list[tuple[str, dict[str, Any]]] = []
+        for sample in output.outputs:
+            self.sample = sample
+            done = bool(sample.finish_reason) and sample.finish_reason != "error"
+            if self.parser is not None:
+                parsed = self.parser.feed(sample.text_delta) if sample.text_delta else []
+                if done:
+                    parsed += self.parser.finish()
+            else:
+                parsed = [sample.text_delta] if sample.text_delta else []
+            for event in parsed:
+                events += self.items.add(event)
+        if output.finished:
+            self.cached_tokens = output.num_cached_tokens
+            raise_if_failed(output)
+        return events
+
+    @property
+    def status(self) -> str:
+        return "incomplete" if self.sample is not None and self.sample.finish_reason == "length" else "completed"
+
+    def close(self) -> list[tuple[str, dict[str, Any]]]:
+        return self.items.finish(self.status)
+
+    def final(self) -> dict[str, Any]:
+        output_tokens = len(self.sample.token_ids) if self.sample is not None else 0
+        usage = {"input_tokens": self.prompt_len, "input_tokens_details": {"cached_tokens": self.cached_tokens},
+                 "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+                 "total_tokens": self.prompt_len + output_tokens}
+        response = self.serving.response_object(self.request, self.response_id, self.created, self.status,
+                                                self.items.items, usage)
+        if self.request.store:
+            self.serving.store.put(self.response_id, StoredResponse(
+                response, self.conversation + [output_message(self.items.items)], self.workflow_id))
+        return response
+
+    def finish(self) -> dict[str, Any]:
+        self.close()
+        return self.final()
+
+    async def stream(self, streams: GenerationStreams) -> AsyncIterator[str]:
+        sequence = iter(range(1 << 62))
+
+        def sse(kind: str, fields: dict[str, Any]) -> str:
+            payload = {"type": kind, "sequence_number": next(sequence), **fields}
+            return f"event: {kind}\ndata: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+        def lifecycle(kind: str, status: str) -> str:
+            return sse(kind, {"response": self.serving.response_object(
+                self.request, self.response_id, self.created, status, [])})
+
+        try:
+            yield lifecycle("response.created", "in_progress")
+            yield lifecycle("response.in_progress", "in_progress")
+            async for _, output in streams:
+                for kind, fields in self.update(output):
+                    yield sse(kind, fields)
+            for kind, fields in self.close():
+                yield sse(kind, fields)
+            final = self.final()
+            yield sse("response.completed" if final["status"] == "completed" else "response.incomplete",
+                      {"response": final})
+        except Exception as e:
+            error = api_error_from(e)
+            yield sse("error", {"code": error.code or error.type, "message": error.message, "param": error.param})
+

@@ -1,0 +1,231 @@
+"""OpenAI's Responses API (POST /v1/responses) through a real server, driven by the official
+`openai` client: each response is checked against the chat completion it amounts to (same
+prompt tokens, same greedy reply, same tool calls), streamed events against the whole response
+(the client's own `responses.stream` helper rebuilds it from them), conversation state through
+`previous_response_id` (and its KV kept between the calls), the store, and bad requests."""
+from __future__ import annotations
+
+import json
+from typing import Any, Iterator
+
+import httpx
+import openai
+import pytest
+from pydantic import BaseModel
+
+from server_utils import RemoteServer, wait_until_idle
+
+STORE_SIZE = 6
+SERVER_ARGS = ["--max-model-len", "2048", "--kv-cache-tokens", "16384", "--enable-auto-tool-choice",
+               "--tool-call-parser", "hermes", "--responses-store-size", str(STORE_SIZE)]
+GREEDY: dict[str, Any] = {"temperature": 0, "max_output_tokens": 48}
+CHAT_GREEDY: dict[str, Any] = {"temperature": 0, "max_tokens": 48}
+TOOLS = [{"type": "function", "name": "get_weather", "description": "The current weather in a city.",
+          "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}]
+CHAT_TOOLS = [{"type": "function", "function": {k: v for k, v in TOOLS[0].items() if k != "type"}}]
+# A worked example, then a new question: the default model follows the example and calls the tool
+# (test_server_tools.py checks that on the chat endpoint against the model's raw text).
+TOOL_INPUT = [
+    {"role": "user", "content": "What is the weather in Paris?"},
+    {"type": "function_call", "call_id": "call_0", "name": "get_weather", "arguments": '{"city": "Paris"}'},
+    {"type": "function_call_output", "call_id": "call_0", "output": "Sunny, 21 C"},
+    {"role": "assistant", "content": [{"type": "output_text", "text": "It is sunny in Paris, 21 C."}]},
+    {"role": "user", "content": [{"type": "input_text", "text": "What is the weather in Berlin?"}]},
+]
+TOOL_MESSAGES = [
+    {"role": "user", "content": "What is the weather in Paris?"},
+    {"role": "assistant", "content": "", "tool_calls": [{"id": "call_0", "type": "function", "function": {
+        "name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+    {"role": "tool", "tool_call_id": "call_0", "content": "Sunny, 21 C"},
+    {"role": "assistant", "content": "It is sunny in Paris, 21 C."},
+    {"role": "user", "content": "What is the weather in Berlin?"},
+]
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[RemoteServer]:
+    with RemoteServer(SERVER_ARGS) as remote:
+        yield remote
+
+
+def chat_equivalent(client: openai.OpenAI, model: str, messages: list[dict], **fields: Any):
+    return client.chat.completions.create(model=model, messages=messages, **CHAT_GREEDY, **fields)
+
+
+def test_a_text_response_is_the_chat_completion_it_amounts_to(client: openai.OpenAI, model: str) -> None:
+    resp = client.responses.create(model=model, instructions="Answer briefly.",
+                                   input="What is the capital of France?", **GREEDY)
+    chat = chat_equivalent(client, model, [{"role": "system", "content": "Answer briefly."},
+                                           {"role": "user", "content": "What is the capital of France?"}])
+    assert resp.id.startswith("resp_") and resp.object == "response" and resp.model == model
+    assert resp.output_text == chat.choices[0].message.content and resp.output_text
+    assert [item.type for item in resp.output] == ["message"]
+    message = resp.output[0]
+    assert message.id.startswith("msg_") and message.role == "assistant"
+    assert [part.type for part in message.content] == ["output_text"]
+    finished = chat.choices[0].finish_reason
+    assert resp.status == ("incomplete" if finished == "length" else "completed")
+    assert message.status == resp.status
+    if resp.status == "incomplete":
+        assert resp.incomplete_details is not None and resp.incomplete_details.reason == "max_output_tokens"
+    assert resp.usage is not None and chat.usage is not None
+    assert resp.usage.input_tokens == chat.usage.prompt_tokens
+    assert resp.usage.output_tokens == chat.usage.completion_tokens
+    assert resp.usage.total_tokens == resp.usage.input_tokens + resp.usage.output_tokens
+    assert resp.instructions == "Answer briefly." and resp.max_output_tokens == 48 and resp.temperature == 0
+
+
+def test_streamed_events_rebuild_the_response(client: openai.OpenAI, model: str) -> None:
+    question = "What is the capital of France? Answer in one word."
+    whole = client.responses.create(model=model, input=question, store=False, **GREEDY)
+    assert whole.status == "completed", "the reply should end before max_output_tokens"
+    with client.responses.stream(model=model, input=question, store=False, **GREEDY) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    kinds = [e.type for e in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"]
+    assert kinds[-1] == "response.completed"
+    assert kinds.count("response.output_item.added") == kinds.count("response.output_item.done") == 1
+    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert deltas == final.output_text == whole.output_text
+    assert final.id != whole.id and final.status == whole.status
+    assert final.usage is not None and final.usage.output_tokens == whole.usage.output_tokens
+
+
+def test_previous_response_id_continues_the_conversation_with_its_kv(client: openai.OpenAI, model: str) -> None:
+    block = 16   # `sluice serve`'s default --block-size
+    system = "You are a careful assistant. " + " ".join(f"Item {i} is a box." for i in range(40))
+    first = client.responses.create(model=model, instructions=system,
+                                     input="Describe the boxes above in a few sentences.",
+                                     temperature=0, max_output_tokens=48)
+    second = client.responses.create(model=model, instructions=system, previous_response_id=first.id,
+                                     input="[search result] " + " ".join(["the file was found"] * 10),
+                                     temperature=0, max_output_tokens=8)
+    assert second.previous_response_id == first.id
+    chat = client.chat.completions.create(model=model, temperature=0, max_tokens=8, messages=[
+        {"role": "system", "content": system},
+        {"role": "user", "content": "Describe the boxes above in a few sentences."},
+        {"role": "assistant", "content": first.output_text},
+        {"role": "user", "content": "[search result] " + " ".join(["the file was found"] * 10)},
+    ])
+    assert second.usage is not None and chat.usage is not None and first.usage is not None
+    assert second.usage.input_tokens == chat.usage.prompt_tokens
+    assert second.output_text == chat.choices[0].message.content
+    # the chain is one workflow: the first call's KV, its reply included, served the second prompt
+    computed = first.usage.input_tokens + first.usage.output_tokens - 1
+    assert second.usage.input_tokens_details.cached_tokens >= computed // block * block
+    assert second.usage.input_tokens_details.cached_tokens > first.usage.input_tokens
+
+
+def test_function_calls_and_their_outputs_as_items(client: openai.OpenAI, model: str) -> None:
+    chat = chat_equivalent(client, model, TOOL_MESSAGES, tools=CHAT_TOOLS)
+    expected = [(c.function.name, json.loads(c.function.arguments)) for c in chat.choices[0].message.tool_calls or []]
+    assert expected, "the few-shot prompt no longer makes the model call the tool"
+    resp = client.responses.create(model=model, input=TOOL_INPUT, tools=TOOLS, **GREEDY)
+    calls = [item for item in resp.output if item.type == "function_call"]
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == expected
+    assert all(c.call_id.startswith("call_") and c.id.startswith("fc_") and c.status == "completed" for c in calls)
+    assert resp.usage is not None and resp.usage.input_tokens == chat.usage.prompt_tokens
+    # streamed: one item per call, its arguments in deltas
+    with client.responses.stream(model=model, input=TOOL_INPUT, tools=TOOLS, **GREEDY) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    streamed = [item for item in final.output if item.type == "function_call"]
+    assert [(c.name, json.loads(c.arguments)) for c in streamed] == expected
+    args = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
+    assert args == "".join(c.arguments for c in streamed)
+    # the agent's next turn: the call's output as an item, after the response that made the call
+    follow = client.responses.create(model=model, previous_response_id=resp.id, tools=TOOLS, tool_choice="none",
+                                     input=[{"type": "function_call_output", "call_id": calls[0].call_id,
+                                             "output": "Rain, 12 C"}], **GREEDY)
+    assert follow.status in ("completed", "incomplete") and follow.output_text
+
+
+def test_a_named_function_is_forced_and_streams_its_arguments(client: openai.OpenAI, model: str) -> None:
+    forced = {"type": "function", "name": "get_weather"}
+    resp = client.responses.create(model=model, input="Tell me a joke.", tools=TOOLS, tool_choice=forced,
+                                   temperature=0, max_output_tokens=64)
+    assert [item.type for item in resp.output] == ["function_call"]
+    call = resp.output[0]
+    assert call.name == "get_weather" and isinstance(json.loads(call.arguments)["city"], str)
+    with client.responses.stream(model=model, input="Tell me a joke.", tools=TOOLS, tool_choice=forced,
+                                 temperature=0, max_output_tokens=64) as stream:
+        events = list(stream)
+    deltas = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
+    assert len(deltas) > 1 and "".join(deltas) == call.arguments
+
+
+class City(BaseModel):
+    name: str
+    country: str
+
+
+def test_text_format_json_schema_parses(client: openai.OpenAI, model: str) -> None:
+    resp = client.responses.parse(model=model, input="Name a city in Italy.", text_format=City,
+                                  temperature=0, max_output_tokens=64)
+    assert isinstance(resp.output_parsed, City) and resp.output_parsed.name
+    obj = client.responses.create(model=model, input="Give me a JSON object with a key 'a'.",
+                                  text={"format": {"type": "json_object"}}, temperature=0, max_output_tokens=48)
+    assert isinstance(json.loads(obj.output_text), dict)
+
+
+def test_the_store_retrieve_delete_and_eviction(client: openai.OpenAI, model: str) -> None:
+    first = client.responses.create(model=model, input="Hi", max_output_tokens=2)
+    got = client.responses.retrieve(first.id)
+    assert got.id == first.id and got.output_text == first.output_text
+    client.responses.delete(first.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(first.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.create(model=model, input="Hi", previous_response_id=first.id, max_output_tokens=2)
+    unstored = client.responses.create(model=model, input="Hi", max_output_tokens=2, store=False)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(unstored.id)
+    ids = [client.responses.create(model=model, input=f"Hi {i}", max_output_tokens=1).id
+           for i in range(STORE_SIZE + 1)]
+    with pytest.raises(openai.NotFoundError):   # the least recently used went first
+        client.responses.retrieve(ids[0])
+    assert client.responses.retrieve(ids[-1]).id == ids[-1]
+
+
+BAD = {
+    "background": ({"background": True}, "background"),
+    "include": ({"include": ["message.output_text.logprobs"]}, "include"),
+    "truncation_auto": ({"truncation": "auto"}, "truncation"),
+    "reasoning_effort": ({"reasoning": {"effort": "high"}}, "reasoning"),
+    "max_output_tokens_zero": ({"max_output_tokens": 0}, "max_output_tokens"),
+    "input_empty": ({"input": []}, "input"),
+    "input_wrong_type": ({"input": 5}, "input"),
+    "input_image_part": ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+                         "input"),
+    "input_unknown_item": ({"input": [{"type": "web_search_call", "id": "x"}]}, "input"),
+    "input_unknown_role": ({"input": [{"role": "robot", "content": "hi"}]}, "input"),
+    "function_call_without_call_id": ({"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]},
+                                      "input"),
+    "hosted_tool": ({"tools": [{"type": "web_search"}]}, "tools"),
+    "named_function_not_among_tools": ({"tools": TOOLS, "tool_choice": {"type": "function", "name": "other"}},
+                                       "tool_choice"),
+    "json_schema_without_schema": ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text"),
+    "bad_json_schema": ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "nope"}}}},
+                        "text"),
+    "input_beyond_context": ({"input": "word " * 2100}, "input"),
+    "unknown_previous_response": ({"previous_response_id": "resp_unknown"}, "previous_response_id"),
+    "other_model": ({"model": "other"}, "model"),
+}
+
+
+@pytest.mark.parametrize("fields,param", BAD.values(), ids=BAD.keys())
+def test_bad_responses_requests_are_4xx(server: RemoteServer, fields: dict[str, Any], param: str) -> None:
+    body = {"input": "Hi", "max_output_tokens": 4, **fields}
+    resp = httpx.post(server.base_url + "/responses", json=body, timeout=60)
+    status = 404 if param in ("previous_response_id", "model") else 400
+    assert resp.status_code == status, resp.text
+    error = resp.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    assert error["param"] == param, error
+
+
+def test_nothing_is_left_running(server: RemoteServer) -> None:
+    assert httpx.get(server.url + "/health", timeout=10).status_code == 200
+    wait_until_idle(server, timeout=30)
