@@ -19,6 +19,7 @@ import dataclasses
 import json
 import threading
 import time
+import uuid
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, Optional
@@ -32,7 +33,6 @@ from sluice.server.protocol import (
     ChatCompletionRequest,
     ResponsesRequest,
     now_s,
-    random_id,
 )
 from sluice.server.serving_base import (
     WORKFLOW_HEADER,
@@ -229,7 +229,7 @@ class OutputItems:
         return self._delta(text)
 
     def _open_message(self) -> list[tuple[str, dict[str, Any]]]:
-        item = {"type": "message", "id": random_id("msg"), "status": "in_progress", "role": "assistant",
+        item = {"type": "message", "id": _item_id("msg"), "status": "in_progress", "role": "assistant",
                 "content": []}
         self.items.append(item)
         self._open = item
@@ -248,7 +248,7 @@ class OutputItems:
                                                 "content_index": 0, "delta": text, "logprobs": []})]
 
     def _new_call(self, name: str) -> dict[str, Any]:
-        item = {"type": "function_call", "id": random_id("fc"), "call_id": tool_call_id(), "name": name,
+        item = {"type": "function_call", "id": _item_id("fc"), "call_id": tool_call_id(), "name": name,
                 "arguments": "", "status": "in_progress"}
         self.items.append(item)
         self._open = item
@@ -279,6 +279,11 @@ class OutputItems:
                 ("response.content_part.done", {"item_id": item["id"], "output_index": index, "content_index": 0,
                                                 "part": dict(part)}),
                 ("response.output_item.done", {"output_index": index, "item": _copy(item)})]
+
+
+def _item_id(prefix: str) -> str:
+    """OpenAI's Responses ids: resp_..., msg_..., fc_..."""
+    return f"{prefix}_{uuid.uuid4().hex}"
 
 
 def _text_part(text: str) -> dict[str, Any]:
@@ -323,7 +328,7 @@ class OpenAIServingResponses(OpenAIServingChat):
         except APIError as e:
             e.param = _CHAT_PARAMS.get(e.param, e.param)
             raise
-        response_id = random_id("resp")
+        response_id = _item_id("resp")
         workflow = self.workflow_info(chat, raw_request)
         if not raw_request.headers.get(WORKFLOW_HEADER) and request.workflow_id is None:
             # the chain is the workflow: the first response's id, carried by the stored ones
