@@ -410,14 +410,11 @@ class DetokenizeRequest(OpenAIRequestModel):
     tokens: list[int]
 
 
-class ResponsesFunctionTool(OpenAIRequestModel):
-    """A Responses API tool: only functions (OpenAI's hosted tools need OpenAI)."""
+class ResponsesFunctionTool(FunctionDefinition):
+    """A Responses API tool: a function definition with its type beside it (only functions:
+    OpenAI's hosted tools need OpenAI)."""
 
     type: Literal["function"]
-    name: str = Field(pattern=_FUNCTION_NAME)
-    description: Optional[str] = None
-    parameters: Optional[dict[str, Any]] = None
-    strict: Optional[bool] = None
 
 
 class ResponsesNamedFunction(OpenAIRequestModel):
