@@ -401,14 +401,13 @@ class OpenAIServingResponses(OpenAIServingChat):
         return body
 
     def response_object(self, request: ResponsesRequest, response_id: str, created: int, status: str,
-                        output: list[dict[str, Any]], usage: Optional[dict[str, Any]] = None,
-                        error: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+                        output: list[dict[str, Any]], usage: Optional[dict[str, Any]] = None) -> dict[str, Any]:
         fmt = request.text.format.model_dump(by_alias=True, exclude_none=True) if (
             request.text is not None and request.text.format is not None) else {"type": "text"}
         choice = request.tool_choice
         return {
             "id": response_id, "object": "response", "created_at": created, "status": status,
-            "error": error,
+            "error": None,
             "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
             "instructions": request.instructions, "max_output_tokens": request.max_output_tokens,
             "model": self.model_name, "output": output,
