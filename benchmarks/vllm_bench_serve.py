@@ -115,8 +115,9 @@ def summary(args: argparse.Namespace, bench_args: list[str], results: dict[str, 
         f"{lab} / {ref} (by repeat)" for lab in labels[:-1]) + " |"
     lines += [head, "|" + "---|" * (1 + 2 * len(labels) - 1)]
     for key, name, higher in METRICS:
-        if any(key not in r for runs in results.values() for r in runs):
-            continue
+        if any(key not in r for runs in results.values() for r in runs) or all(
+                not r[key] for runs in results.values() for r in runs):
+            continue   # absent, or zero everywhere (TPOT with one output token)
         cells = []
         for lab in labels:
             xs = [r[key] for r in results[lab]]
