@@ -106,11 +106,11 @@ def not_found(response_id: str, param: Optional[str] = None) -> APIError:
 # --- input items -> chat messages ------------------------------------------------------------
 
 def _text_of(content: Any, where: str) -> str:
-    """A message's content: a string, or a list of text parts (input_text / output_text)."""
+    """A message's content (or a call's output): a string, or a list of text parts."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
-        raise APIError(400, f"{where}.content must be a string or a list of content parts", param="input")
+        raise APIError(400, f"{where} must be a string or a list of content parts", param="input")
     texts = []
     for part in content:
         kind = part.get("type") if isinstance(part, dict) else None
@@ -134,7 +134,7 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
             role = item.get("role")
             if role not in INPUT_ROLES:
                 raise APIError(400, f"{where}.role must be one of {', '.join(INPUT_ROLES)}", param="input")
-            messages.append({"role": role, "content": _text_of(item.get("content"), where)})
+            messages.append({"role": role, "content": _text_of(item.get("content"), where + ".content")})
         elif kind == "function_call":
             name, arguments, call_id = item.get("name"), item.get("arguments"), item.get("call_id")
             if not (isinstance(name, str) and isinstance(arguments, str) and isinstance(call_id, str)):
@@ -150,7 +150,7 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
             call_id, output = item.get("call_id"), item.get("output")
             if not isinstance(call_id, str):
                 raise APIError(400, f"{where}: a function_call_output needs a string call_id", param="input")
-            messages.append({"role": "tool", "tool_call_id": call_id, "content": _text_of(output, where)})
+            messages.append({"role": "tool", "tool_call_id": call_id, "content": _text_of(output, where + ".output")})
         else:
             raise APIError(400, f"{where}: input items of type {kind!r} are not supported (message, "
                            "function_call, function_call_output)", param="input")
