@@ -33,6 +33,8 @@ from sluice.server.protocol import (
     ModelCard,
     ModelList,
     ResponsesRequest,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
     TokenizeResponse,
 )
 from sluice.server.serving_base import ClientDisconnected, api_error_from, parse_request, validation_error
@@ -209,12 +211,13 @@ def build_app(
     app.include_router(v1)
 
     # vLLM serves these at the root, beside /v1; behind the API key like /v1 when one is set.
-    @app.post("/tokenize", dependencies=auth)
+    @app.post("/tokenize", dependencies=auth,
+              openapi_extra=_json_body(TokenizeCompletionRequest, TokenizeChatRequest))
     async def tokenize(raw_request: Request) -> TokenizeResponse:
         body = await read_json_body(raw_request, server_config.max_request_bytes)
         return tokenization.tokenize(parse_request(tokenize_request_model(body), body))
 
-    @app.post("/detokenize", dependencies=auth)
+    @app.post("/detokenize", dependencies=auth, openapi_extra=_json_body(DetokenizeRequest))
     async def detokenize(raw_request: Request) -> DetokenizeResponse:
         body = await read_json_body(raw_request, server_config.max_request_bytes)
         return tokenization.detokenize(parse_request(DetokenizeRequest, body))
@@ -243,9 +246,11 @@ def build_app(
     return app
 
 
-def _json_body(model: type[BaseModel]) -> dict[str, Any]:
-    """The OpenAPI `requestBody` of a route that parses its body itself (to bound its size)."""
-    schema = {"$ref": f"#/components/schemas/{model.__name__}"}
+def _json_body(*models: type[BaseModel]) -> dict[str, Any]:
+    """The OpenAPI `requestBody` of a route that parses its body itself (to bound its size): one
+    of `models`."""
+    refs = [{"$ref": f"#/components/schemas/{m.__name__}"} for m in models]
+    schema = refs[0] if len(refs) == 1 else {"anyOf": refs}
     return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
 
 
@@ -258,7 +263,8 @@ def _document_request_bodies(app: FastAPI) -> None:
             spec = generate()
             _, defs = models_json_schema(
                 [(ChatCompletionRequest, "validation"), (CompletionRequest, "validation"),
-                 (ResponsesRequest, "validation")],
+                 (ResponsesRequest, "validation"), (TokenizeCompletionRequest, "validation"),
+                 (TokenizeChatRequest, "validation"), (DetokenizeRequest, "validation")],
                 ref_template="#/components/schemas/{model}",
             )
             spec.setdefault("components", {}).setdefault("schemas", {}).update(defs.get("$defs", {}))
