@@ -59,10 +59,15 @@ class Tokenizer:
             )
             self._template = env.from_string(info.chat_template)
 
+    # The variables apply_chat_template itself passes to the template.
+    _RENDER_VARIABLES = frozenset({"messages", "add_generation_prompt", "tools", "bos_token", "eos_token"})
+
     @property
-    def template_globals(self) -> frozenset[str]:
-        """Names the chat template environment defines (range, namespace, raise_exception, ...)."""
-        return frozenset(self._template.environment.globals) if self._template is not None else frozenset()
+    def reserved_template_names(self) -> frozenset[str]:
+        """Names extra template variables may not take: those apply_chat_template passes, and the
+        template environment's own (range, namespace, raise_exception, ...)."""
+        env = frozenset(self._template.environment.globals) if self._template is not None else frozenset()
+        return self._RENDER_VARIABLES | env
 
     @property
     def has_chat_template(self) -> bool:
@@ -90,7 +95,7 @@ class Tokenizer:
     ) -> str:
         if self._template is None:
             raise ChatTemplateError("this model has no chat template; use /v1/completions")
-        shadowed = sorted(self.template_globals.intersection(kwargs))
+        shadowed = sorted(self.reserved_template_names.intersection(kwargs))
         if shadowed:
             raise ChatTemplateError(f"template variables may not replace the template's own: {', '.join(shadowed)}")
         try:

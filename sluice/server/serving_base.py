@@ -30,8 +30,6 @@ logger = logging.getLogger(__name__)
 
 WORKFLOW_HEADER = "x-workflow-id"
 RequestModel = TypeVar("RequestModel", bound=BaseModel)
-# What sluice itself passes to a chat template; `chat_template_kwargs` may not replace them.
-TEMPLATE_VARIABLES = frozenset({"messages", "tools", "add_generation_prompt", "bos_token", "eos_token"})
 
 
 def api_error_from(exc: BaseException) -> APIError:
@@ -311,7 +309,7 @@ class OpenAIServing:
             raise APIError(400, "chat_template is not accepted in a request; the server renders "
                            "with the served model's template", param="chat_template")
         kwargs: dict[str, Any] = dict(request.chat_template_kwargs or {})
-        taken = sorted((TEMPLATE_VARIABLES | self.tokenizer.template_globals).intersection(kwargs))
+        taken = sorted(self.tokenizer.reserved_template_names.intersection(kwargs))
         if taken:
             raise APIError(400, f"chat_template_kwargs may not set {', '.join(taken)}; use the request's "
                            "own fields", param="chat_template_kwargs")
@@ -339,11 +337,14 @@ class OpenAIServing:
             raise APIError(400, f"{param} must be in [0, {self.server_config.max_logprobs}]", param=param)
 
     def check_prompt_ids(self, prompt_ids: list[int], param: str) -> None:
-        vocab = self.tokenizer.vocab_size
         if not prompt_ids:
             raise APIError(400, "the prompt is empty", param=param)
-        if any(not 0 <= t < vocab for t in prompt_ids):
-            raise APIError(400, f"prompt token ids must be in [0, {vocab})", param=param)
+        self.check_token_ids(prompt_ids, param, "prompt token ids")
+
+    def check_token_ids(self, ids: list[int], param: str, what: str = "token ids") -> None:
+        vocab = self.tokenizer.vocab_size
+        if any(not 0 <= t < vocab for t in ids):
+            raise APIError(400, f"{what} must be in [0, {vocab})", param=param)
 
     def resolve_max_tokens(self, requested: Optional[int], prompt_len: int, prompt_param: str) -> int:
         """`requested`, checked against the context; the room left in the context when absent."""
@@ -430,8 +431,8 @@ class OpenAIServing:
 def _open_final_message(text: str, final: str) -> str:
     """`text` (a rendered chat) cut right after the final message's content, so that what the
     template writes to close that message (its end-of-turn) is left for the model to continue."""
-    end = text.rfind(final) + len(final) if final else -1
-    if not final or end < len(final):
+    start = text.rfind(final) if final else -1
+    if start < 0:
         raise APIError(400, "continue_final_message needs a final message with content that the chat "
                        "template writes out verbatim", param="continue_final_message")
-    return text[:end]
+    return text[:start + len(final)]

@@ -47,12 +47,6 @@ from sluice.server.serving_chat import OpenAIServingChat
 from sluice.server.tool_calls import ArgumentsDelta, ParsedToolCall, tool_call_id
 
 INPUT_ROLES = ("user", "system", "developer", "assistant")
-# Request fields of the Responses API that are not chat fields; everything else in the body
-# (vLLM's sampling extensions, seed, ...) is passed to the chat request as it is.
-_RESPONSES_ONLY = {"input", "instructions", "previous_response_id", "store", "stream", "max_output_tokens",
-                   "tools", "tool_choice", "text", "truncation", "metadata", "background", "include",
-                   "reasoning", "top_logprobs", "max_tool_calls"}
-
 
 # A chat field named in an error -> the Responses field it came from.
 _CHAT_PARAMS = {"messages": "input", "max_tokens": "max_output_tokens", "max_completion_tokens": "max_output_tokens",
@@ -190,20 +184,10 @@ class OutputItems:
         if isinstance(event, ParsedToolCall):
             if self._max_calls is not None and self._calls >= self._max_calls:
                 return []
-            self._calls += 1
-            out = self._close("completed")
-            item = self._new_call(event.name)
-            out += [("response.output_item.added", {"output_index": len(self.items) - 1, "item": dict(item)})]
-            out += self._arguments(event.arguments)
-            return out + self._close("completed")
+            return self._open_call(event.name) + self._arguments(event.arguments) + self._close("completed")
         if isinstance(event, ArgumentsDelta):
-            out: list[tuple[str, dict[str, Any]]] = []
-            if self._open is None or self._open["type"] != "function_call":
-                out += self._close("completed")
-                self._calls += 1
-                item = self._new_call(event.name)
-                out.append(("response.output_item.added", {"output_index": len(self.items) - 1, "item": dict(item)}))
-            return out + self._arguments(event.text)
+            opened = self._open is not None and self._open["type"] == "function_call"
+            return ([] if opened else self._open_call(event.name)) + self._arguments(event.text)
         raise TypeError(f"unexpected parser event {event!r}")
 
     def finish(self, status: str) -> list[tuple[str, dict[str, Any]]]:
@@ -223,20 +207,23 @@ class OutputItems:
             if not (self._blank + text).strip():
                 self._blank += text
                 return []
-            out = self._close("completed") + self._open_message()
+            out = self._open_message()
             text, self._blank = self._blank + text, ""
             return out + self._delta(text)
         return self._delta(text)
 
+    def _open_item(self, item: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+        """Closes the open item (completed) and opens `item` after it."""
+        out = self._close("completed")
+        self.items.append(item)
+        self._open = item
+        return out + [("response.output_item.added", {"output_index": len(self.items) - 1, "item": _copy(item)})]
+
     def _open_message(self) -> list[tuple[str, dict[str, Any]]]:
         item = {"type": "message", "id": _item_id("msg"), "status": "in_progress", "role": "assistant",
                 "content": []}
-        self.items.append(item)
-        self._open = item
-        index = len(self.items) - 1
-        return [("response.output_item.added", {"output_index": index, "item": _copy(item)}),
-                ("response.content_part.added", {"item_id": item["id"], "output_index": index, "content_index": 0,
-                                                 "part": _text_part("")})]
+        return self._open_item(item) + [("response.content_part.added", {
+            "item_id": item["id"], "output_index": len(self.items) - 1, "content_index": 0, "part": _text_part("")})]
 
     def _delta(self, text: str) -> list[tuple[str, dict[str, Any]]]:
         item = self._open
@@ -247,12 +234,10 @@ class OutputItems:
         return [("response.output_text.delta", {"item_id": item["id"], "output_index": len(self.items) - 1,
                                                 "content_index": 0, "delta": text, "logprobs": []})]
 
-    def _new_call(self, name: str) -> dict[str, Any]:
-        item = {"type": "function_call", "id": _item_id("fc"), "call_id": tool_call_id(), "name": name,
-                "arguments": "", "status": "in_progress"}
-        self.items.append(item)
-        self._open = item
-        return item
+    def _open_call(self, name: str) -> list[tuple[str, dict[str, Any]]]:
+        self._calls += 1
+        return self._open_item({"type": "function_call", "id": _item_id("fc"), "call_id": tool_call_id(),
+                                "name": name, "arguments": "", "status": "in_progress"})
 
     def _arguments(self, text: str) -> list[tuple[str, dict[str, Any]]]:
         item = self._open
@@ -374,7 +359,7 @@ class OpenAIServingResponses(OpenAIServingChat):
 
     @staticmethod
     def _chat_body(request: ResponsesRequest, messages: list[dict[str, Any]]) -> dict[str, Any]:
-        body: dict[str, Any] = {k: v for k, v in (request.model_extra or {}).items() if k not in _RESPONSES_ONLY}
+        body: dict[str, Any] = dict(request.model_extra or {})   # fields the Responses API does not declare
         body.update(
             model=request.model, messages=messages, n=1, stream=False,
             max_completion_tokens=request.max_output_tokens, temperature=request.temperature, top_p=request.top_p,

@@ -7,7 +7,6 @@ from __future__ import annotations
 from typing import Any
 
 from sluice.server.protocol import (
-    APIError,
     DetokenizeRequest,
     DetokenizeResponse,
     TokenizeChatRequest,
@@ -35,7 +34,5 @@ class OpenAIServingTokenization(OpenAIServing):
     def detokenize(self, request: DetokenizeRequest) -> DetokenizeResponse:
         """The text of `tokens`, special tokens included (the inverse of /tokenize)."""
         self.check_model(request.model)
-        vocab = self.tokenizer.vocab_size
-        if any(not 0 <= t < vocab for t in request.tokens):
-            raise APIError(400, f"token ids must be in [0, {vocab})", param="tokens")
+        self.check_token_ids(request.tokens, "tokens")
         return DetokenizeResponse(prompt=self.tokenizer.decode(request.tokens, skip_special_tokens=False))
