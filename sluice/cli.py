@@ -40,6 +40,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-active-workflows", type=int, default=None, metavar="N",
                    help="GET /load welcomes no new workflow while N are in flight (a call running or "
                         "waiting, or KV retained for the next call); default: no bound")
+    p.add_argument("--decode-yield-steps", type=int, default=1, metavar="N",
+                   help="while prompt tokens wait, running decodes sit out up to N consecutive steps so "
+                        "the prompts get them alone (lower time to first token); 0: every step carries "
+                        "every decode (default 1)")
     p.add_argument("--attention-backend", default="auto")
     p.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads (default: all cores)")
     p.add_argument("--step-trace", default=None, metavar="PATH",
@@ -116,6 +120,7 @@ def build_engine_config(args: argparse.Namespace):
             starvation_s=args.starvation_s,
             admit_backlog_steps=args.admit_backlog_steps,
             max_active_workflows=args.max_active_workflows,
+            decode_yield_steps=args.decode_yield_steps,
         ),
         dtype=parse_dtype(args.dtype),
         seed=args.seed,

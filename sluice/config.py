@@ -102,6 +102,10 @@ class SchedulerConfig:
     # waiting, or KV retained for its next call (None: no such bound). See
     # Scheduler.admissible_workflows.
     max_active_workflows: Optional[int] = None
+    # While prompt tokens wait, running decodes sit out up to this many consecutive steps, so
+    # the prompts get those steps alone and their first tokens come one decode pass sooner
+    # (0: every step carries every running decode first). See Scheduler.schedule.
+    decode_yield_steps: int = 1
 
     def __post_init__(self) -> None:
         if self.max_num_seqs <= 0 or self.max_num_batched_tokens <= 0 or self.max_model_len <= 0:
@@ -110,6 +114,8 @@ class SchedulerConfig:
             raise ValueError("admit_backlog_steps must be positive (or None for no bound)")
         if self.max_active_workflows is not None and self.max_active_workflows <= 0:
             raise ValueError("max_active_workflows must be positive (or None for no bound)")
+        if self.decode_yield_steps < 0:
+            raise ValueError("decode_yield_steps must be >= 0")
 
 
 @dataclass(frozen=True)

@@ -43,6 +43,7 @@ def create_scheduler(
     speculative: Optional[SpeculativeConfig] = None,
     starvation_s: Optional[float] = None,
     admit_backlog_steps: Optional[float] = 2.0,
+    decode_yield_steps: int = SchedulerConfig.decode_yield_steps,
 ) -> Scheduler:
     """A scheduler over a real BlockPool, driven by a FakeClock (`scheduler.clock`)."""
     config = SchedulerConfig(
@@ -56,6 +57,7 @@ def create_scheduler(
         aging_s=aging_s,
         starvation_s=starvation_s,
         admit_backlog_steps=admit_backlog_steps,
+        decode_yield_steps=decode_yield_steps,
     )
     cache = CacheConfig(block_size=block_size, enable_prefix_caching=enable_prefix_caching)
     return Scheduler(config, cache, num_blocks, clock=FakeClock(), speculative=speculative)

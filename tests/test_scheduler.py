@@ -49,8 +49,9 @@ def test_chunked_prefill_boundaries():
 
 
 def test_decodes_go_before_prefill_chunks():
-    """A running decode gets its token every step, even when the prefill has the better priority."""
-    s = create_scheduler(max_num_batched_tokens=32)
+    """Without decode yields, a running decode gets its token every step, even when the prefill
+    has the better priority."""
+    s = create_scheduler(max_num_batched_tokens=32, decode_yield_steps=0)
     s.clock.advance(10)
     decode = create_request(s, "decode", 10, max_tokens=20)
     out, _ = run_step(s)
@@ -70,7 +71,7 @@ def test_decodes_go_before_prefill_chunks():
 
 
 def test_long_prefill_leaves_every_decode_its_token():
-    s = create_scheduler(max_num_batched_tokens=16)
+    s = create_scheduler(max_num_batched_tokens=16, decode_yield_steps=0)
     decodes = create_requests(s, 4, prompt=3, max_tokens=10, prefix="d")
     run_step(s)
     create_request(s, "long", 60, max_tokens=1)
@@ -82,8 +83,62 @@ def test_long_prefill_leaves_every_decode_its_token():
     assert_all_released(s)
 
 
-def test_requests_share_the_step_budget():
+def test_decodes_yield_every_other_step_to_waiting_prompts():
+    """By default a waiting prompt gets a step alone (the whole budget, no decode pass), then
+    the decodes come back: they never sit out two steps in a row."""
     s = create_scheduler(max_num_batched_tokens=32)
+    assert s.config.decode_yield_steps == 1
+    decodes = create_requests(s, 2, prompt=10, max_tokens=20, prefix="d")
+    run_step(s)
+    long = create_request(s, "long", 100, max_tokens=2)
+    steps = []
+    while not long.output_token_ids:
+        out, _ = run_step(s)
+        steps.append(scheduled_ids(out))
+    assert steps == [[("long", 32)], [("d0", 1), ("d1", 1), ("long", 30)],
+                     [("long", 32)], [("d0", 1), ("d1", 1), ("long", 6)]]
+    # Decoding, `long` is a decode like the others: nothing waits, nothing yields.
+    out, _ = run_step(s)
+    assert scheduled_ids(out) == [("d0", 1), ("d1", 1), ("long", 1)]
+    assert all(d.num_output_tokens == 4 for d in decodes)
+    drain(s)
+    assert_all_released(s)
+
+
+@pytest.mark.parametrize("yields", [2, 3])
+def test_decode_yield_steps_bounds_the_consecutive_yields(yields):
+    s = create_scheduler(max_num_batched_tokens=16, decode_yield_steps=yields)
+    d = create_request(s, "d", 4, max_tokens=30, ignore_eos=True)
+    run_step(s)
+    create_request(s, "long", 200, max_tokens=1)
+    with_decode = []
+    while s.waiting or any(not r.is_decode for r in s.running):
+        out, _ = run_step(s)
+        with_decode.append(d in [r for r, _ in out.scheduled])
+    pattern = ([False] * yields + [True]) * len(with_decode)
+    assert with_decode == pattern[:len(with_decode)] and len(with_decode) > yields + 1
+    drain(s)
+    assert_all_released(s)
+
+
+def test_decodes_do_not_yield_to_prompts_that_cannot_run():
+    """A waiting prompt with no sequence slot (max_num_seqs) cannot use the step: the decodes
+    take it as usual, rather than leave it empty."""
+    s = create_scheduler(max_num_seqs=1)
+    d = create_request(s, "d", 4, max_tokens=3)
+    run_step(s)
+    create_request(s, "late", 8, max_tokens=1)
+    for _ in range(2):
+        out, _ = run_step(s)
+        assert scheduled_ids(out) == [("d", 1)]
+    assert d.is_finished
+    out, _ = run_step(s)
+    assert scheduled_ids(out) == [("late", 8)]
+    assert_all_released(s)
+
+
+def test_requests_share_the_step_budget():
+    s = create_scheduler(max_num_batched_tokens=32, decode_yield_steps=0)
     create_requests(s, 3, prompt=20, max_tokens=2)
     out, _ = run_step(s)
     assert scheduled_ids(out) == [("r0", 20), ("r1", 12)]
@@ -113,7 +168,7 @@ def test_max_num_seqs_bounds_the_batch():
 
 # --- prefix caching -----------------------------------------------------------------------------
 def test_prefix_cache_hit():
-    s = create_scheduler(block_size=16)
+    s = create_scheduler(block_size=16, decode_yield_steps=0)
     prefix = unique_prompt(48)
     first = create_request(s, "first", prefix + unique_prompt(10), max_tokens=3)
     run_step(s)
@@ -274,7 +329,8 @@ def test_waiting_for_a_block_is_bounded(monkeypatch):
 def test_prefill_chunk_shrinks_to_the_slots_left():
     """A running prefill whose next chunk needs a block none can give computes what fits in the
     blocks it holds, instead of preempting or waiting."""
-    s = create_scheduler(block_size=4, num_blocks=6, max_num_batched_tokens=9, retention_ttl_s=0)
+    s = create_scheduler(block_size=4, num_blocks=6, max_num_batched_tokens=9, retention_ttl_s=0,
+                         decode_yield_steps=0)
     r0 = create_request(s, "r0", 4, max_tokens=12, ignore_eos=True)
     r1 = create_request(s, "r1", 20, max_tokens=2, ignore_eos=True)
     out, _ = run_step(s, by_output_index)

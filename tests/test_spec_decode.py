@@ -174,8 +174,13 @@ def test_drafts_use_only_the_budget_left_after_decodes_and_prefills():
     # three decodes take 3 of 8; the 5 left go to drafts in decode order: 4, then 1
     assert [n for _, n in out.scheduled] == [5, 2, 1] and out.num_batched_tokens == 8
     s.update_from_output(out, [[*out.spec_tokens.get(r.request_id, []), pattern(r)] for r, _ in out.scheduled])
-    # a waiting prompt takes the budget before any draft does
+    # a waiting prompt takes the budget before any draft does: first a step of its own (the
+    # decodes yield), then the decodes' tokens and the rest of the budget
     late = create_request(s, "late", 20, max_tokens=4)
+    out = s.schedule()
+    assert [(r.request_id, n) for r, n in out.scheduled] == [("late", 8)]
+    assert out.spec_tokens == {}
+    s.update_from_output(out, [])
     out = s.schedule()
     assert [(r.request_id, n) for r, n in out.scheduled] == [("r0", 1), ("r1", 1), ("r2", 1), ("late", 5)]
     assert out.spec_tokens == {}

@@ -112,7 +112,7 @@ def test_held_prefix_goes_first_within_a_level():
     s.clock.advance(1)
     warm = create_request(s, "warm", prompt + [2], max_tokens=1, workflow_id="fan-wf")
     out, _ = run_step(s)
-    assert scheduled_ids(out) == [("sibling", 1), ("warm", 9)]
+    assert scheduled_ids(out) == [("warm", 9)]   # the sibling's decode yields the step to prompts
     assert warm.num_cached_tokens == 32
     drain(s)
     assert_all_released(s)
@@ -350,6 +350,11 @@ def test_retention_is_not_released_for_a_request_worth_less():
     assert scheduled_ids(out) == [("busy", 8)] and x.status is RequestStatus.WAITING
     s.update_from_output(out, [7])
     assert s.workflows.num_retained_blocks == 6
+    # busy's decode would yield this step to x, but x does not get in: the step is busy's
+    # decode (not an idle engine, so the retentions are not given up for x either)
+    out, _ = run_step(s)
+    assert scheduled_ids(out) == [("busy", 1)] and x.status is RequestStatus.WAITING
+    assert s.workflows.num_retained_blocks == 6
     s.clock.t = 4.5                                      # old's value: 48 e^-0.9 = 19.5 < 20
     out, _ = run_step(s)
     assert ("x", 20) in scheduled_ids(out)
@@ -492,7 +497,7 @@ def test_victim_may_be_the_request_that_needs_the_block(monkeypatch):
     """A low-priority decode that needs a block yields itself rather than evict a more important
     request that is still prefilling (and needs no block this step)."""
     no_waiting_for_blocks(monkeypatch)  # this test is about preemption itself
-    s = create_scheduler(block_size=4, num_blocks=4, max_num_batched_tokens=2)
+    s = create_scheduler(block_size=4, num_blocks=4, max_num_batched_tokens=2, decode_yield_steps=0)
     s.clock.advance(1)
     low = create_request(s, "low", 2, max_tokens=10, ignore_eos=True)
     run_step(s, by_output_index)
@@ -512,7 +517,7 @@ def test_resumed_request_is_not_preempted_again_before_progress(monkeypatch):
     """`late` yields to `early`, resumes (protected) and needs a block again before sampling:
     this time `early` yields, although it has the better priority and was already scheduled."""
     no_waiting_for_blocks(monkeypatch)  # this test is about preemption itself
-    s = create_scheduler(block_size=4, num_blocks=4, max_num_batched_tokens=4)
+    s = create_scheduler(block_size=4, num_blocks=4, max_num_batched_tokens=4, decode_yield_steps=0)
     early = create_request(s, "early", 7, max_tokens=7, ignore_eos=True)
     s.clock.advance(1)
     run_step(s, by_output_index)
