@@ -97,6 +97,7 @@ def test_decodes_yield_every_other_step_to_waiting_prompts():
         steps.append(scheduled_ids(out))
     assert steps == [[("long", 32)], [("d0", 1), ("d1", 1), ("long", 30)],
                      [("long", 32)], [("d0", 1), ("d1", 1), ("long", 6)]]
+    assert s.stats().decode_yield_steps == 2
     # Decoding, `long` is a decode like the others: nothing waits, nothing yields.
     out, _ = run_step(s)
     assert scheduled_ids(out) == [("d0", 1), ("d1", 1), ("long", 1)]

@@ -326,6 +326,7 @@ def test_load_and_metrics(server: RemoteServer) -> None:
         "sluice:generation_tokens_total", "sluice:time_to_first_token_seconds_bucket",
         "sluice:inter_token_latency_seconds_bucket", "sluice:e2e_request_latency_seconds_count",
         "sluice:request_success_total", "sluice:accepting_requests", "sluice:admissible_workflows",
+        "sluice:decode_yield_steps_total",
     ]:
         assert name in names, name
     assert metric(samples, "sluice:admissible_workflows") >= 1

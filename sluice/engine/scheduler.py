@@ -121,6 +121,7 @@ class Scheduler:
         self.spec_draft_tokens_total = 0
         self.spec_accepted_tokens_total = 0
         self._decode_yields = 0   # consecutive steps the running decodes sat out (decode_yield_steps)
+        self.decode_yield_steps_total = 0
 
     # --- admission ----------------------------------------------------------------------
     @property
@@ -304,6 +305,7 @@ class Scheduler:
             if not out.preempted:
                 budget = self._admit_waiting(out, budget, now, taken)
         self._decode_yields = self._decode_yields + 1 if yielded else 0
+        self.decode_yield_steps_total += yielded
         if self.proposer is not None and budget > 0:
             budget = self._add_drafts(out, budget)
         out.num_batched_tokens = self.config.max_num_batched_tokens - budget
@@ -698,6 +700,7 @@ class Scheduler:
             generation_tokens_total=self.generation_tokens_total,
             num_workflows=len(self.workflows.workflows),
             admissible_workflows=self.admissible_workflows(),
+            decode_yield_steps=self.decode_yield_steps_total,
             state_slots_total=st.layout.num_seq_slots if st else 0,
             state_slots_used=st.num_held if st else 0,
             state_snapshots_total=st.layout.num_snapshots if st else 0,

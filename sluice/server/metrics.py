@@ -81,6 +81,8 @@ class _EngineStatsCollector(Collector):
         yield self._counter("sluice:prefix_cache_hits", "Prompt tokens served by the prefix cache.",
                             s.prefix_cache_hits)
         yield self._counter("sluice:num_preemptions", "Preemptions.", s.num_preemptions)
+        yield self._counter("sluice:decode_yield_steps", "Steps whose running decodes sat out for waiting prompts.",
+                            s.decode_yield_steps)
         yield self._counter("sluice:prompt_tokens", "Prompt tokens computed.", s.prompt_tokens_total)
         yield self._counter("sluice:generation_tokens", "Tokens generated.", s.generation_tokens_total)
         yield self._counter("sluice:spec_decode_num_drafts", "Speculative verifications with drafts.",
