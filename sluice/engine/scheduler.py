@@ -9,9 +9,10 @@ While prompt tokens wait, the decodes sit out up to `decode_yield_steps` consecu
 a mixed step is mostly reading its sequence's K/V (~80-100 ms for 30 sequences of 2k tokens
 here), and a call's first token comes that much sooner per step its prompt takes. A stalled
 decode loses one step; over the call it is a small part of its generation time, while the
-time to first token of agent calls (a ~270-token tool result each) fell by a fifth at the
-median and a quarter at p90 (docs/benchmarks.md, session 15). A step whose prompt work
-cannot run after all (no blocks, no sequence slot) carries the decodes as usual.
+time to first token of agent calls (a ~270-token tool result each) fell by ~12% at the median
+and ~14% at p90 on sustained traffic, throughput unchanged (docs/benchmarks.md, session 15).
+A step whose prompt work cannot run after all (no blocks, no sequence slot) carries the
+decodes as usual.
 When blocks run out, retained workflow KV is released first; then a prefill chunk shrinks to
 the slots that remain, and a request that still cannot grow waits (up to `MAX_DEFER_STEPS`
 steps) while another running request can progress in the blocks it has, since calls finishing
