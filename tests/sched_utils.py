@@ -101,6 +101,7 @@ def create_requests(scheduler: Scheduler, num_requests: int, prompt: Sequence[in
 
 
 TokenFn = Callable[[Request], int]
+MAX_IDLE_STEPS = 1000   # consecutive empty steps with work unfinished: the scheduler is stuck
 
 
 def constant(req: Request) -> int:
@@ -116,6 +117,10 @@ def run_step(scheduler: Scheduler, token_fn: TokenFn = constant,
     `token_fn(request)`; an entry verifying drafts yields its first `accept_fn(request, drafts)`
     drafts (default: all) and then that token. Checks the scheduler's invariants before returning."""
     out = scheduler.schedule()
+    # A scheduler that stops making progress fails here, not in a test's open-ended step loop.
+    idle = getattr(scheduler, "_test_idle_steps", 0)
+    scheduler._test_idle_steps = idle + 1 if out.empty and not out.preempted and scheduler.has_unfinished() else 0
+    assert scheduler._test_idle_steps < MAX_IDLE_STEPS, f"{MAX_IDLE_STEPS} steps without progress"
     assert out.num_batched_tokens <= scheduler.config.max_num_batched_tokens
     assert out.num_batched_tokens == sum(n for _, n in out.scheduled)
     assert len({r.request_id for r, _ in out.scheduled}) == len(out.scheduled), "scheduled twice"
