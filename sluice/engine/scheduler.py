@@ -293,18 +293,16 @@ class Scheduler:
 
         order = sorted(self.running, key=lambda r: (0 if r.is_decode else 1, self.policy.priority(r, now)))
         decodes = [r for r in order if r.is_decode]
-        if decodes and self._decodes_may_yield():
-            budget = self._schedule_running(out, order[len(decodes):], budget, now, taken)
-            if not out.preempted:
-                budget = self._admit_waiting(out, budget, now, taken, busy=True)
-            yielded = bool(out.scheduled)
-            if not yielded:   # no prompt work could run after all: the decodes do not wait for nothing
-                budget = self._schedule_running(out, decodes, budget, now, taken)
-        else:
-            yielded = False
-            budget = self._schedule_running(out, order, budget, now, taken)
-            if not out.preempted:
-                budget = self._admit_waiting(out, budget, now, taken)
+        prefills = order[len(decodes):]
+        # While prompt tokens wait, the decodes may sit this step out (SchedulerConfig.decode_yield_steps).
+        yielding = (bool(decodes) and (bool(self.waiting) or bool(prefills))
+                    and self._decode_yields < self.config.decode_yield_steps)
+        budget = self._schedule_running(out, prefills if yielding else order, budget, now, taken)
+        if not out.preempted:
+            budget = self._admit_waiting(out, budget, now, taken, busy=yielding)
+        yielded = yielding and bool(out.scheduled)
+        if yielding and not yielded:   # no prompt work could run after all: the decodes do not wait for nothing
+            budget = self._schedule_running(out, decodes, budget, now, taken)
         self._decode_yields = self._decode_yields + 1 if yielded else 0
         self.decode_yield_steps_total += yielded
         if self.proposer is not None and budget > 0:
@@ -313,13 +311,6 @@ class Scheduler:
         if self.states is not None and self.pool.enable_caching and self.states.layout.num_snapshots:
             self._plan_snapshots(out)
         return out
-
-    def _decodes_may_yield(self) -> bool:
-        """Whether this step leaves the running decodes out so that waiting prompt tokens get it
-        alone (see SchedulerConfig.decode_yield_steps)."""
-        if self._decode_yields >= self.config.decode_yield_steps:
-            return False
-        return bool(self.waiting) or any(not r.is_decode for r in self.running)
 
     def _schedule_running(self, out: SchedulerOutput, order: list[Request], budget: int, now: float,
                           taken: set[str]) -> int:
