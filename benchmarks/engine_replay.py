@@ -32,6 +32,8 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--max-num-batched-tokens", type=int, default=512)
     ap.add_argument("--policy", default="workflow")
+    ap.add_argument("--aging-s", type=float, default=SchedulerConfig.aging_s)
+    ap.add_argument("--decode-yield-steps", type=int, default=SchedulerConfig.decode_yield_steps)
     ap.add_argument("--backend", default="auto")
     ap.add_argument("--kv-cache-gib", type=float, default=1.0)
     ap.add_argument("--kv-cache-tokens", type=int, default=None, help="instead of --kv-cache-gib")
@@ -50,7 +52,8 @@ def main() -> None:
         cache=(CacheConfig(kv_cache_tokens=args.kv_cache_tokens, block_size=args.block_size) if args.kv_cache_tokens
                else CacheConfig(kv_cache_gib=args.kv_cache_gib, block_size=args.block_size)),
         scheduler=SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=args.max_num_batched_tokens,
-                                  max_model_len=mcfg.max_position_embeddings, policy=args.policy),
+                                  max_model_len=mcfg.max_position_embeddings, policy=args.policy,
+                                  aging_s=args.aging_s, decode_yield_steps=args.decode_yield_steps),
         attention_backend=args.backend, step_trace_path=args.step_trace,
         speculative=parse_speculative_config(args.speculative_config)))
     tok = eng.tokenizer
