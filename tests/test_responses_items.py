@@ -11,7 +11,9 @@ from sluice.server.serving_responses import (
     OutputItems,
     ResponseStore,
     StoredResponse,
+    input_item_objects,
     input_messages,
+    list_items,
     output_message,
 )
 from sluice.server.tool_calls import ArgumentsDelta, ParsedToolCall
@@ -139,6 +141,61 @@ def test_bad_input_items_are_400s(items: list[dict[str, Any]]) -> None:
     with pytest.raises(APIError) as e:
         input_messages(items)
     assert e.value.status_code == 400 and e.value.param == "input"
+
+
+def test_input_items_are_listed_with_ids_and_parts() -> None:
+    items = input_item_objects([
+        {"role": "developer", "content": "Be brief."},
+        {"type": "message", "id": "msg_mine", "role": "user",
+         "content": [{"type": "input_text", "text": "Weather in "}, {"type": "text", "text": "Paris?"}]},
+        {"role": "assistant", "content": "Checking."},
+        {"type": "function_call", "call_id": "c1", "name": "w", "arguments": '{"city": "Paris"}'},
+        {"type": "function_call_output", "call_id": "c1", "output": [{"type": "input_text", "text": "sun"}]},
+    ])
+    ids = [item.pop("id") for item in items]
+    assert ids[1] == "msg_mine" and len(set(ids)) == 5
+    assert ids[0].startswith("msg_") and ids[3].startswith("fc_") and ids[4].startswith("fco_")
+    assert items == [
+        {"type": "message", "role": "developer", "content": [{"type": "input_text", "text": "Be brief."}],
+         "status": "completed"},
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Weather in "},
+                                                        {"type": "input_text", "text": "Paris?"}],
+         "status": "completed"},
+        {"type": "message", "role": "assistant",
+         "content": [{"type": "output_text", "text": "Checking.", "annotations": []}], "status": "completed"},
+        {"type": "function_call", "call_id": "c1", "name": "w", "arguments": '{"city": "Paris"}',
+         "status": "completed"},
+        {"type": "function_call_output", "call_id": "c1", "output": "sun", "status": "completed"},
+    ]
+    [hi] = input_item_objects("hi")
+    assert hi["role"] == "user" and hi["content"] == [{"type": "input_text", "text": "hi"}]
+
+
+def test_input_items_pages() -> None:
+    items = [{"id": f"i{k}"} for k in range(5)]
+
+    def ids(**query: Any) -> tuple[list[str], Any, Any, bool]:
+        page = list_items(items, **{"after": None, "limit": None, "order": None, "include": None, **query})
+        assert page["object"] == "list"
+        return [i["id"] for i in page["data"]], page["first_id"], page["last_id"], page["has_more"]
+
+    assert ids() == (["i4", "i3", "i2", "i1", "i0"], "i4", "i0", False)          # newest first
+    assert ids(order="asc", limit=2) == (["i0", "i1"], "i0", "i1", True)
+    assert ids(order="asc", limit=2, after="i1") == (["i2", "i3"], "i2", "i3", True)
+    assert ids(order="asc", limit=2, after="i3") == (["i4"], "i4", "i4", False)
+    assert ids(after="i3", limit=3) == (["i2", "i1", "i0"], "i2", "i0", False)
+    assert ids(after="i0") == ([], None, None, False)
+    assert ids(limit=5) == (["i4", "i3", "i2", "i1", "i0"], "i4", "i0", False)
+
+
+@pytest.mark.parametrize("query,param", [
+    ({"limit": 0}, "limit"), ({"limit": 101}, "limit"), ({"order": "up"}, "order"),
+    ({"after": "nope"}, "after"), ({"include": ["message.output_text.logprobs"]}, "include"),
+])
+def test_bad_input_items_queries_are_400s(query: dict[str, Any], param: str) -> None:
+    with pytest.raises(APIError) as e:
+        list_items([{"id": "i0"}], **{"after": None, "limit": None, "order": None, "include": None, **query})
+    assert e.value.status_code == 400 and e.value.param == param
 
 
 def test_output_message_carries_text_and_calls() -> None:

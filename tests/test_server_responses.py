@@ -196,6 +196,33 @@ def test_the_store_retrieve_delete_and_eviction(client: openai.OpenAI, model: st
     assert client.responses.retrieve(ids[-1]).id == ids[-1]
 
 
+def test_input_items_list_the_conversation_a_response_was_made_from(server: RemoteServer, client: openai.OpenAI,
+                                                                   model: str) -> None:
+    first = client.responses.create(model=model, instructions="Answer briefly.", input=TOOL_INPUT, tools=TOOLS,
+                                    **GREEDY)
+    listed = client.responses.input_items.list(first.id, order="asc")
+    assert [item.type for item in listed.data] == ["message", "function_call", "message"]
+    assert listed.data[0].content[0].text == "What is the weather in Paris?" and listed.data[0].role == "user"
+    assert listed.data[1].call_id == "call_0" and listed.data[1].arguments == '{"city": "Paris"}'
+    assert listed.data[2].content[0].text == "What is the weather in Berlin?"
+    # A chained response was made from the whole conversation: the first one's input and output
+    # (their ids as the first response gave them), then its own input.
+    second = client.responses.create(model=model, previous_response_id=first.id, input="Thanks!",
+                                     max_output_tokens=2)
+    chain = list(client.responses.input_items.list(second.id, order="asc", limit=2))  # the client pages
+    assert [item.id for item in chain[:3]] == [item.id for item in listed.data]
+    assert [item.id for item in chain[3:-1]] == [item.id for item in first.output]
+    assert chain[-1].type == "message" and chain[-1].content[0].text == "Thanks!"
+    newest = client.responses.input_items.list(second.id, limit=1)        # newest first by default
+    assert [item.id for item in newest.data] == [chain[-1].id] and newest.has_more
+    for query, param in (({"limit": 0}, "limit"), ({"order": "sideways"}, "order"), ({"after": "msg_x"}, "after"),
+                         ({"limit": "many"}, "limit")):
+        resp = httpx.get(f"{server.base_url}/responses/{second.id}/input_items", params=query, timeout=30)
+        assert resp.status_code == 400 and resp.json()["error"]["param"] == param, resp.text
+    with pytest.raises(openai.NotFoundError):
+        client.responses.input_items.list("resp_unknown")
+
+
 BAD = {
     "background": ({"background": True}, "background"),
     "include": ({"include": ["message.output_text.logprobs"]}, "include"),

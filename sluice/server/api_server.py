@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any, AsyncIterator, Awaitable, Callable, Optional
 
 import uvicorn
-from fastapi import APIRouter, Depends, FastAPI
+from fastapi import APIRouter, Depends, FastAPI, Query
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
@@ -203,6 +203,11 @@ def build_app(
     @v1.get("/responses/{response_id}")
     async def retrieve_response(response_id: str) -> Response:
         return JSONResponse(responses.retrieve(response_id))
+
+    @v1.get("/responses/{response_id}/input_items")
+    async def list_input_items(response_id: str, after: Optional[str] = None, limit: Optional[int] = None,
+                               order: Optional[str] = None, include: Optional[list[str]] = Query(None)) -> Response:
+        return JSONResponse(responses.input_items(response_id, after, limit, order, include))
 
     @v1.delete("/responses/{response_id}")
     async def delete_response(response_id: str) -> Response:

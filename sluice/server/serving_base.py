@@ -49,15 +49,24 @@ def api_error_from(exc: BaseException) -> APIError:
 def validation_error(e: ValidationError | RequestValidationError) -> APIError:
     """A 400 naming the first invalid field (and up to three problems)."""
     errors = e.errors()
+    fastapi = isinstance(e, RequestValidationError)
+
+    def loc(err: Any) -> list[str]:   # FastAPI's locations start with where: body, query, path, ...
+        where = [str(x) for x in err.get("loc", ())]
+        return where[1:] if fastapi and where and where[0] in _REQUEST_PARTS else where
+
     parts = []
     for err in errors[:3]:
-        loc = ".".join(str(x) for x in err.get("loc", ()) if x != "body")
+        at = ".".join(loc(err))
         msg = str(err.get("msg", "invalid value")).removeprefix("Value error, ")
-        parts.append(f"{loc}: {msg}" if loc else msg)
+        parts.append(f"{at}: {msg}" if at else msg)
     if len(errors) > 3:
         parts.append(f"(and {len(errors) - 3} more)")
-    first_loc = [str(x) for x in errors[0].get("loc", ()) if x != "body"] if errors else []
+    first_loc = loc(errors[0]) if errors else []
     return APIError(400, "invalid request: " + "; ".join(parts), param=first_loc[0] if first_loc else None)
+
+
+_REQUEST_PARTS = ("body", "query", "path", "header", "cookie")
 
 
 def parse_request(model: type[RequestModel], body: Any) -> RequestModel:

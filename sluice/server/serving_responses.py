@@ -10,7 +10,9 @@ with `output_text`, `function_call`s) and, streamed, the Responses events (`resp
 Conversation state: a response made with `store` (the default, as at OpenAI) is kept in a bounded
 in-memory store (`--responses-store-size`, least recently used first out), so a next call can send
 only its new items with `previous_response_id`; GET and DELETE /v1/responses/{id} read and drop
-one. A chain of responses is one workflow for the scheduler (its first response's id, unless the
+one, and GET /v1/responses/{id}/input_items lists the items it was made from (the whole
+conversation: the chain's earlier inputs and outputs, then its own input), newest first by default,
+in pages (`limit`, `after`, `order`), as OpenAI lists them. A chain of responses is one workflow for the scheduler (its first response's id, unless the
 call names a workflow), so a follow-up finds its conversation's KV retained.
 """
 from __future__ import annotations
@@ -58,6 +60,7 @@ class StoredResponse:
     response: dict[str, Any]          # the response object as it was answered
     messages: list[dict[str, Any]]    # the conversation so far as chat messages, without instructions
     workflow_id: Optional[str]        # the chain's workflow
+    input_items: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # what it was made from, with ids
 
 
 class ResponseStore:
@@ -149,6 +152,60 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
             raise APIError(400, f"{where}: input items of type {kind!r} are not supported (message, "
                            "function_call, function_call_output)", param="input")
     return messages
+
+
+def input_item_objects(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A request's `input` as the items GET /v1/responses/{id}/input_items lists: each with an id
+    (its own if it came with one) and a status, message content as a list of parts. Call only on
+    an input that `input_messages` accepted."""
+    if isinstance(items, str):
+        items = [{"type": "message", "role": "user", "content": items}]
+    listed = []
+    for item in items:
+        kind = item.get("type", "message")
+        given = item.get("id") if isinstance(item.get("id"), str) and item.get("id") else None
+        if kind == "message":
+            content = item["content"]
+            texts = [content] if isinstance(content, str) else [p["text"] for p in content]
+            parts = ([{"type": "output_text", "text": t, "annotations": []} for t in texts] if item["role"] == "assistant"
+                     else [{"type": "input_text", "text": t} for t in texts])
+            listed.append({"id": given or _item_id("msg"), "type": "message", "role": item["role"],
+                           "content": parts, "status": "completed"})
+        elif kind == "function_call":
+            listed.append({"id": given or _item_id("fc"), "type": "function_call", "call_id": item["call_id"],
+                           "name": item["name"], "arguments": item["arguments"], "status": "completed"})
+        else:
+            output = item["output"]
+            listed.append({"id": given or _item_id("fco"), "type": "function_call_output",
+                           "call_id": item["call_id"], "output": output if isinstance(output, str) else
+                           "".join(p["text"] for p in output), "status": "completed"})
+    return listed
+
+
+INPUT_ITEMS_ORDERS = ("asc", "desc")
+
+
+def list_items(items: list[dict[str, Any]], after: Optional[str], limit: Optional[int], order: Optional[str],
+               include: Optional[list[str]]) -> dict[str, Any]:
+    """One page of `items` as OpenAI's list object (`order` desc: newest first, the default)."""
+    if include:
+        raise APIError(400, f"include is not supported (asked for {', '.join(include)})", param="include")
+    limit = 20 if limit is None else limit
+    if not 1 <= limit <= 100:
+        raise APIError(400, f"limit must be between 1 and 100, got {limit}", param="limit")
+    order = order or "desc"
+    if order not in INPUT_ITEMS_ORDERS:
+        raise APIError(400, f"order must be 'asc' or 'desc', got {order!r}", param="order")
+    ordered = items if order == "asc" else items[::-1]
+    start = 0
+    if after is not None:
+        ids = [item["id"] for item in ordered]
+        if after not in ids:
+            raise APIError(400, f"no input item with id {after!r} in this response", param="after")
+        start = ids.index(after) + 1
+    page = ordered[start:start + limit]
+    return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None, "has_more": start + limit < len(ordered)}
 
 
 def output_message(items: list[dict[str, Any]]) -> dict[str, Any]:
@@ -299,6 +356,8 @@ class OpenAIServingResponses(OpenAIServingChat):
         new_messages = input_messages(request.input)
         if not new_messages:
             raise APIError(400, "input must hold at least one item", param="input")
+        items = (previous.input_items + [_copy(i) for i in previous.response["output"]] if previous is not None
+                 else []) + input_item_objects(request.input)
         system = [{"role": "system", "content": request.instructions}] if request.instructions else []
         try:   # the chat endpoint's checks, with its errors naming this request's fields
             chat = parse_request(ChatCompletionRequest, self._chat_body(request, system + history + new_messages))
@@ -323,7 +382,7 @@ class OpenAIServingResponses(OpenAIServingChat):
         streams = await self.start_streams(raw_request, [EngineCall(response_id, prompt_ids, params)], workflow,
                                            arrival)
         reply = _Reply(self, request, response_id, len(prompt_ids), parse_tools, history + new_messages,
-                       workflow.workflow_id)
+                       workflow.workflow_id, items)
         if request.stream:
             streams.stop_watching()
             return SSEResponse(reply.stream(streams), on_close=streams.close)
@@ -336,6 +395,13 @@ class OpenAIServingResponses(OpenAIServingChat):
         if stored is None:
             raise not_found(response_id)
         return stored.response
+
+    def input_items(self, response_id: str, after: Optional[str], limit: Optional[int], order: Optional[str],
+                    include: Optional[list[str]]) -> dict[str, Any]:
+        stored = self.store.get(response_id)
+        if stored is None:
+            raise not_found(response_id)
+        return list_items(stored.input_items, after, limit, order, include)
 
     def delete(self, response_id: str) -> dict[str, Any]:
         if not self.store.delete(response_id):
@@ -414,7 +480,7 @@ class _Reply:
 
     def __init__(self, serving: OpenAIServingResponses, request: ResponsesRequest, response_id: str,
                  prompt_len: int, parse_tools: Optional[Callable[[], Any]], conversation: list[dict[str, Any]],
-                 workflow_id: Optional[str]) -> None:
+                 workflow_id: Optional[str], input_items: list[dict[str, Any]]) -> None:
         self.serving = serving
         self.request = request
         self.response_id = response_id
@@ -424,6 +490,7 @@ class _Reply:
         self.items = OutputItems(max_calls=1 if request.parallel_tool_calls is False else request.max_tool_calls)
         self.conversation = conversation
         self.workflow_id = workflow_id
+        self.input_items = input_items
         self.sample: Optional[CompletionOutput] = None
         self.cached_tokens = 0
 
@@ -462,7 +529,8 @@ class _Reply:
                                                 self.items.items, usage)
         if self.request.store:
             self.serving.store.put(self.response_id, StoredResponse(
-                response, self.conversation + [output_message(self.items.items)], self.workflow_id))
+                response, self.conversation + [output_message(self.items.items)], self.workflow_id,
+                self.input_items))
         return response
 
     def finish(self) -> dict[str, Any]:
