@@ -168,6 +168,9 @@ class EngineConfig:
     num_threads: Optional[int] = None
     step_trace_path: Optional[str] = None  # append one JSON line per engine step (shape and timings)
     speculative: Optional[SpeculativeConfig] = None  # None: no speculative decoding
+    # Steps that schedule nothing while requests are unfinished, for this long, end those requests
+    # with an error instead of leaving them waiting forever (a scheduler fault; see LLMEngine.step).
+    stall_timeout_s: float = 30.0
 
 
 TOOL_PARSERS = ("hermes",)   # the tool-call formats sluice parses (sluice/server/tool_calls.py)

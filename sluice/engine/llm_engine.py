@@ -100,6 +100,8 @@ class LLMEngine:
         self._groups: dict[str, _Group] = {}
         self._child_to_group: dict[str, str] = {}
         self._pending: list[RequestOutput] = []   # outputs produced outside a step (aborts)
+        self._stalled_since: Optional[float] = None  # first of the current run of steps that scheduled nothing
+        self.num_stalls = 0                            # times unfinished requests were failed for it
         self._trace = open(config.step_trace_path, "a", buffering=1) if config.step_trace_path else None
 
     # --- requests ------------------------------------------------------------------------
@@ -162,7 +164,7 @@ class LLMEngine:
         self._pending.append(self._make_output(group))
 
     def fail_all(self, message: str) -> list[RequestOutput]:
-        """Finish every request with an error (the engine can no longer run)."""
+        """Finish every unfinished request with the error `message`; their outputs."""
         outs = []
         for group in list(self._groups.values()):
             group.error = message
@@ -175,6 +177,32 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._pending)
 
+    def _check_stall(self) -> list[RequestOutput]:
+        """Called on a step that scheduled nothing. That is normal for a moment (the last running
+        request just finished), but while requests are unfinished it must not last: with nothing
+        running, an idle engine gives a waiting call every block it needs (retentions included), and
+        running requests always get their tokens or make room by preemption. Steps that schedule
+        nothing for `stall_timeout_s` are therefore a scheduler fault; the unfinished requests end
+        with an error (a 500 at the server) instead of hanging their clients, the scheduler's
+        state is logged, and the engine goes on with the requests that come next."""
+        if not self.scheduler.has_unfinished():
+            self._stalled_since = None
+            return []
+        now = self.clock()
+        if self._stalled_since is None:
+            self._stalled_since = now
+        if now - self._stalled_since < self.config.stall_timeout_s:
+            return []
+        sch = self.scheduler
+        logger.error("the scheduler made no progress for %.0f s with %d requests running and %d waiting "
+                     "(%d of %d KV blocks free, %d workflows retaining KV); failing them",
+                     now - self._stalled_since, len(sch.running), len(sch.waiting), sch.pool.num_free_blocks,
+                     sch.pool.num_blocks, sum(1 for wf in sch.workflows.workflows.values() if wf.retention))
+        self._stalled_since = None
+        self.num_stalls += 1
+        return self.fail_all(f"the engine could not schedule this request for {self.config.stall_timeout_s:.0f} s "
+                             "(a scheduler fault, logged by the server)")
+
     def stats(self) -> EngineStats:
         return self.scheduler.stats()
 
@@ -183,7 +211,9 @@ class LLMEngine:
         outputs, self._pending = self._pending, []
         sched = self.scheduler.schedule()
         if sched.empty:
+            outputs.extend(self._check_stall())
             return outputs
+        self._stalled_since = None
         t0 = time.perf_counter()
         result = self.runner.execute(sched)
         t1 = time.perf_counter()

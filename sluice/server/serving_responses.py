@@ -12,8 +12,9 @@ in-memory store (`--responses-store-size`, least recently used first out), so a 
 only its new items with `previous_response_id`; GET and DELETE /v1/responses/{id} read and drop
 one, and GET /v1/responses/{id}/input_items lists the items it was made from (the whole
 conversation: the chain's earlier inputs and outputs, then its own input), newest first by default,
-in pages (`limit`, `after`, `order`), as OpenAI lists them. A chain of responses is one workflow for the scheduler (its first response's id, unless the
-call names a workflow), so a follow-up finds its conversation's KV retained.
+in pages (`limit`, `after`, `order`), as OpenAI lists them. A chain of responses is one workflow
+for the scheduler (its first response's id, unless the call names a workflow), so a follow-up
+finds its conversation's KV retained.
 """
 from __future__ import annotations
 
@@ -167,8 +168,8 @@ def input_item_objects(items: str | list[dict[str, Any]]) -> list[dict[str, Any]
         if kind == "message":
             content = item["content"]
             texts = [content] if isinstance(content, str) else [p["text"] for p in content]
-            parts = ([{"type": "output_text", "text": t, "annotations": []} for t in texts] if item["role"] == "assistant"
-                     else [{"type": "input_text", "text": t} for t in texts])
+            parts = ([{"type": "output_text", "text": t, "annotations": []} for t in texts]
+                     if item["role"] == "assistant" else [{"type": "input_text", "text": t} for t in texts])
             listed.append({"id": given or _item_id("msg"), "type": "message", "role": item["role"],
                            "content": parts, "status": "completed"})
         elif kind == "function_call":
