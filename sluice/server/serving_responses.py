@@ -164,7 +164,7 @@ def input_item_objects(items: str | list[dict[str, Any]]) -> list[dict[str, Any]
     listed = []
     for item in items:
         kind = item.get("type", "message")
-        given = item.get("id") if isinstance(item.get("id"), str) and item.get("id") else None
+        given = item.get("id") if isinstance(item.get("id"), str) else None   # "" counts as none
         if kind == "message":
             content = item["content"]
             texts = [content] if isinstance(content, str) else [p["text"] for p in content]
@@ -176,10 +176,8 @@ def input_item_objects(items: str | list[dict[str, Any]]) -> list[dict[str, Any]
             listed.append({"id": given or _item_id("fc"), "type": "function_call", "call_id": item["call_id"],
                            "name": item["name"], "arguments": item["arguments"], "status": "completed"})
         else:
-            output = item["output"]
-            listed.append({"id": given or _item_id("fco"), "type": "function_call_output",
-                           "call_id": item["call_id"], "output": output if isinstance(output, str) else
-                           "".join(p["text"] for p in output), "status": "completed"})
+            listed.append({"id": given or _item_id("fco"), "type": "function_call_output", "call_id": item["call_id"],
+                           "output": _text_of(item["output"], "output"), "status": "completed"})
     return listed
 
 
@@ -357,7 +355,8 @@ class OpenAIServingResponses(OpenAIServingChat):
         new_messages = input_messages(request.input)
         if not new_messages:
             raise APIError(400, "input must hold at least one item", param="input")
-        items = (previous.input_items + [_copy(i) for i in previous.response["output"]] if previous is not None
+        # The stored items are final (never mutated again), so a chain shares them instead of copying.
+        items = (previous.input_items + previous.response["output"] if previous is not None
                  else []) + input_item_objects(request.input)
         system = [{"role": "system", "content": request.instructions}] if request.instructions else []
         try:   # the chat endpoint's checks, with its errors naming this request's fields
