@@ -4,7 +4,7 @@ memory-bandwidth roofline, on SmolLM2-135M shapes (9 query heads, 3 KV heads, he
     .venv/bin/python benchmarks/attention.py [--dtype bfloat16|float32] [--repeats 20]
                                              [--only LABEL-SUBSTRING] [--no-torch]
 
-Cases: decodes at batch 1/8/32 with context 256/1024/2048, speculative verifications (4 query
+Cases: decodes at batch 1/8/32 with context 256/1024/2048, speculative verifications (4 and 7 query
 tokens per sequence) at batch 8/32 and context 1024/2048, one 512-token prefill chunk after a
 1024-token prefix and two 256-token chunks after 2048. Each layer call writes the step's K/V and attends; the caches rotate over
 enough layers (at least 128 MiB of KV in all) that K/V come from memory, not the last-level
@@ -37,8 +37,9 @@ class Case:
 
 def cases() -> list[Case]:
     out = [Case(f"decode b={b:<2} ctx={c}", [c - 1] * b, [1] * b) for c in (256, 1024, 2048) for b in (1, 8, 32)]
-    # speculative verification: each sequence's last token plus 3 drafts
-    out += [Case(f"verify b={b:<2} q=4 ctx={c}", [c - 4] * b, [4] * b) for c in (1024, 2048) for b in (8, 32)]
+    # speculative verification: each sequence's last token plus 3 drafts, or 6 (the engine's default)
+    out += [Case(f"verify b={b:<2} q={q} ctx={c}", [c - q] * b, [q] * b)
+            for q in (4, 7) for c in (1024, 2048) for b in (8, 32)]
     out.append(Case("prefill 512 after 1024", [1024], [512]))
     out.append(Case("prefill 2x256 after 2048", [2048, 2048], [256, 256]))
     return out

@@ -9,6 +9,9 @@
 //   - a short query (a decode) covers all kv heads of its sequence, when there are enough such
 //     sequences to keep the threads busy: it then reads whole cache rows, in address order;
 //   - otherwise (sequence, kv head, tile of up to 96 / group query tokens).
+// While an item computes one 64-key chunk, the next chunk's K/V lines are prefetched into L2, a
+// few per iteration of the compute loops (otherwise a decode waits on memory: a blocking read
+// sweep per chunk took ~40% of a verification's time).
 // Within an item, the rows of one kv head are (query token, query head of the group) pairs, so
 // each K/V row is loaded and rearranged once per group. Keys are consumed in chunks of 64 with an
 // online softmax in float32 (base 2: scores are multiplied by scale * log2 e). Per chunk:
@@ -169,12 +172,15 @@ struct Ops<bf16, D> {
   }
 
   // acc[i][t] = q_(r0+i) . k_j for the 16 keys of tile t (N <= 4 rows: up to 16 independent chains).
-  template <int N>
-  static void scores(const Buffers& b, int r0, __m512 (&acc)[N][kTiles]) {
+  static constexpr int kScoreSteps = kPairs;  // calls of `tick` per scores()
+
+  template <int N, typename Tick>
+  static void scores(const Buffers& b, int r0, __m512 (&acc)[N][kTiles], Tick&& tick) {
     for (int i = 0; i < N; ++i)
       for (int t = 0; t < kTiles; ++t) acc[i][t] = _mm512_setzero_ps();
 #pragma GCC unroll 4
     for (int p = 0; p < kPairs; ++p) {
+      tick();
       __m512i k[kTiles];
       for (int t = 0; t < kTiles; ++t) k[t] = b.kt[t][p];
       for (int i = 0; i < N; ++i) {
@@ -201,8 +207,11 @@ struct Ops<bf16, D> {
   }
 
   // acc[r] = acc[r] * alpha[r] + sum_j p[r][j] v_j over the first n keys of the chunk, r in [begin, end).
+  static constexpr int accumulate_steps(int n) { return (n + 1) / 2; }  // calls of `tick` per row block
+
+  template <typename Tick>
   static void accumulate(const Buffers& b, const bf16* const*, int n, int begin, int end, const float* alpha,
-                         float (*acc)[D]) {
+                         float (*acc)[D], Tick&& tick) {
     const int pairs = (n + 1) / 2;
     for_row_blocks<kPvRows>(begin, end, [&]<int N>(int r0) {
       __m512 a[N][kVecs];
@@ -211,6 +220,7 @@ struct Ops<bf16, D> {
         for (int c = 0; c < kVecs; ++c) a[i][c] = _mm512_mul_ps(_mm512_load_ps(acc[r0 + i] + 16 * c), scale);
       }
       for (int jp = 0; jp < pairs; ++jp) {
+        tick();
         for (int i = 0; i < N; ++i) {
           const __m512bh pp = (__m512bh)_mm512_set1_epi32(b.p[r0 + i][jp]);
           for (int c = 0; c < kVecs; ++c) a[i][c] = _mm512_dpbf16_ps(a[i][c], pp, (__m512bh)b.vp[jp][c]);
@@ -263,12 +273,15 @@ struct Ops<float, D> {
     }
   }
 
-  template <int N>
-  static void scores(const Buffers& b, int r0, __m512 (&acc)[N][kTiles]) {
+  static constexpr int kScoreSteps = D;
+
+  template <int N, typename Tick>
+  static void scores(const Buffers& b, int r0, __m512 (&acc)[N][kTiles], Tick&& tick) {
     for (int i = 0; i < N; ++i)
       for (int t = 0; t < kTiles; ++t) acc[i][t] = _mm512_setzero_ps();
 #pragma GCC unroll 4
     for (int d = 0; d < D; ++d) {
+      tick();
       __m512 k[kTiles];
       for (int t = 0; t < kTiles; ++t) k[t] = b.kt[t][d];
       for (int i = 0; i < N; ++i) {
@@ -284,8 +297,11 @@ struct Ops<float, D> {
 
   static void load_v(Buffers&, const float* const*, int) {}
 
+  static constexpr int accumulate_steps(int n) { return n; }
+
+  template <typename Tick>
   static void accumulate(const Buffers& b, const float* const* vrows, int n, int begin, int end, const float* alpha,
-                         float (*acc)[D]) {
+                         float (*acc)[D], Tick&& tick) {
     for_row_blocks<kPvRows>(begin, end, [&]<int N>(int r0) {
       __m512 a[N][kVecs];
       for (int i = 0; i < N; ++i) {
@@ -293,6 +309,7 @@ struct Ops<float, D> {
         for (int c = 0; c < kVecs; ++c) a[i][c] = _mm512_mul_ps(_mm512_load_ps(acc[r0 + i] + 16 * c), scale);
       }
       for (int j = 0; j < n; ++j) {
+        tick();
         const float* v = vrows[j];
         for (int i = 0; i < N; ++i) {
           const __m512 pj = _mm512_set1_ps(b.p[r0 + i][j]);
@@ -370,9 +387,16 @@ struct ItemRunner {
     const int32_t* table = pb.block_tables + it.seq * pb.table_width;
     const int32_t num_keys = context + it.q_end;  // the last row's causal horizon
     const T* zero = reinterpret_cast<const T*>(kZeroRow);
+    const bool whole_rows = heads == pb.num_kv_heads;
+    // calls of prefetch_tick() per full chunk: scores() per 4-row block, accumulate() per PV block
+    const int ticks = heads * ((per_head + 3) / 4 * O::kScoreSteps +
+                               (per_head + O::kPvRows - 1) / O::kPvRows * O::accumulate_steps(kChunk));
     for (int32_t start = 0; start < num_keys; start += kChunk) {
       const int n = std::min<int32_t>(kChunk, num_keys - start);
-      if (heads == pb.num_kv_heads) touch(pb, table, start, n, k_cache, v_cache);
+      if (whole_rows && start == 0) touch(pb, table, start, n, k_cache, v_cache);
+      if (start + kChunk < num_keys)
+        plan_prefetch(pb, table, start + kChunk, std::min<int32_t>(kChunk, num_keys - start - kChunk),
+                      k_cache + it.kv_begin * D, v_cache + it.kv_begin * D, heads * D * sizeof(T), ticks);
       find_slots(pb, table, start, n, k_cache + it.kv_begin * D, v_cache + it.kv_begin * D);
       for (int j = n; j < kChunk; ++j) krows[j] = vrows[j] = zero;
       for (int hh = 0; hh < heads; ++hh) {
@@ -384,8 +408,9 @@ struct ItemRunner {
         O::load_k(b, krows);
         for_row_blocks<4>(r0, r1, [&]<int N>(int rb) { scores_softmax<N>(rb, start, n); });
         O::load_v(b, vrows, n);
-        O::accumulate(b, vrows, n, r0, r1, alpha, acc);
+        O::accumulate(b, vrows, n, r0, r1, alpha, acc, [this] { prefetch_tick(); });
       }
+      prefetch_rest();
     }
     for (int r = 0; r < rows; ++r) O::store_out(acc[r], 1.0f / _mm512_reduce_add_ps(l[r]), out + out_offset[r]);
   }
@@ -406,8 +431,8 @@ struct ItemRunner {
 
   // Reads the cache rows of keys [start, start + n) once, in address order, with plain loads. The
   // compute passes then find them in L1/L2. They read each head's slice of a row separately (a
-  // strided pattern the hardware prefetchers serve poorly from memory), so for items that cover
-  // whole rows this sweep makes long decodes ~1.4x faster; software prefetch hints measured no gain.
+  // strided pattern the hardware prefetchers serve poorly from memory). Used for an item's first
+  // chunk only: later chunks were prefetched while the one before them was computed.
   static void touch(const Problem& pb, const int32_t* table, int32_t start, int n, const T* k_cache,
                     const T* v_cache) {
     const int64_t row_bytes = pb.cache_row * sizeof(T);
@@ -419,6 +444,47 @@ struct ItemRunner {
         x = _mm512_or_si512(x, _mm512_or_si512(_mm512_loadu_si512(k + o), _mm512_loadu_si512(v + o)));
     });
     asm volatile("" : : "v"(x));  // keep the loads
+  }
+
+  // The next chunk's cache lines, fetched into L2 a few at a time from the compute loops of this
+  // chunk (prefetch_tick) so that memory is read while this chunk is computed; issued in one burst,
+  // the prefetches stall on the core's limit of outstanding misses much as loads would.
+  std::vector<const char*> lines;  // K and V lines alternately
+  size_t next_line = 0;
+  int lines_per_tick = 1;
+
+  // Plans the prefetch of keys [start, start + n): `bytes` of each slot from k_cache / v_cache (the
+  // item's kv heads).
+  void plan_prefetch(const Problem& pb, const int32_t* table, int32_t start, int n, const T* k_cache,
+                     const T* v_cache, int64_t bytes, int ticks) {
+    lines.clear();
+    next_line = 0;
+    const int64_t row_bytes = pb.cache_row * sizeof(T);
+    for_block_runs(pb, table, start, n, [&](int, int run, int64_t slot) {
+      const char* k = reinterpret_cast<const char*>(k_cache + slot * pb.cache_row);
+      const char* v = reinterpret_cast<const char*>(v_cache + slot * pb.cache_row);
+      if (bytes == row_bytes) {  // whole rows: the run is contiguous
+        for (int64_t o = 0; o < run * row_bytes; o += 64) {
+          lines.push_back(k + o);
+          lines.push_back(v + o);
+        }
+        return;
+      }
+      for (int i = 0; i < run; ++i)
+        for (int64_t o = i * row_bytes; o < i * row_bytes + bytes; o += 64) {
+          lines.push_back(k + o);
+          lines.push_back(v + o);
+        }
+    });
+    lines_per_tick = static_cast<int>((lines.size() + ticks - 1) / std::max(1, ticks));
+  }
+
+  void prefetch_tick() {
+    for (int i = 0; i < lines_per_tick && next_line < lines.size(); ++i) _mm_prefetch(lines[next_line++], _MM_HINT_T1);
+  }
+
+  void prefetch_rest() {
+    while (next_line < lines.size()) _mm_prefetch(lines[next_line++], _MM_HINT_T1);
   }
 
   void find_slots(const Problem& pb, const int32_t* table, int32_t start, int n, const T* k_cache,
@@ -438,7 +504,7 @@ struct ItemRunner {
   template <int N>
   void scores_softmax(int rb, int32_t start, int n) {
     __m512 a[N][kTiles];
-    O::template scores<N>(b, rb, a);
+    O::template scores<N>(b, rb, a, [this] { prefetch_tick(); });
     __mmask16 keep[N][kTiles];
     __m512 mx[4];
     for (int i = 0; i < N; ++i) {
