@@ -74,7 +74,11 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--responses-store-size", type=int, default=1024,
                    help="how many /v1/responses are kept for previous_response_id, least recently used "
                         "dropped first; 0 keeps none (default 1024)")
+    p.add_argument("--stall-timeout", type=float, default=30.0, metavar="SECONDS",
+                   help="calls the engine schedules nothing for this long (a scheduler fault) end with a 500 "
+                        "instead of waiting forever (default 30)")
     p.add_argument("--fault-inject-after-steps", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--fault-inject-stall-after-steps", type=int, default=None, help=argparse.SUPPRESS)
 
 
 def parse_speculative_config(text: Optional[str]):
@@ -128,6 +132,7 @@ def build_engine_config(args: argparse.Namespace):
         num_threads=args.num_threads,
         step_trace_path=args.step_trace,
         speculative=parse_speculative_config(args.speculative_config),
+        stall_timeout_s=args.stall_timeout,
     )
 
 
@@ -150,6 +155,7 @@ def build_server_config(args: argparse.Namespace):
         tool_call_parser=args.tool_call_parser,
         responses_store_size=args.responses_store_size,
         fault_inject_after_steps=args.fault_inject_after_steps,
+        fault_inject_stall_after_steps=args.fault_inject_stall_after_steps,
     )
 
 

@@ -172,6 +172,10 @@ class EngineConfig:
     # with an error instead of leaving them waiting forever (a scheduler fault; see LLMEngine.step).
     stall_timeout_s: float = 30.0
 
+    def __post_init__(self) -> None:
+        if not self.stall_timeout_s > 0:
+            raise ValueError("the stall timeout must be a positive number of seconds")
+
 
 TOOL_PARSERS = ("hermes",)   # the tool-call formats sluice parses (sluice/server/tool_calls.py)
 
@@ -193,6 +197,7 @@ class ServerConfig:
     tool_call_parser: Optional[str] = None  # the model's tool-call format: "hermes"
     responses_store_size: int = 1024      # stored /v1/responses (previous_response_id), LRU; 0: none
     fault_inject_after_steps: Optional[int] = None  # tests only: the engine loop fails after N busy steps
+    fault_inject_stall_after_steps: Optional[int] = None  # tests only: the scheduler stalls after N busy steps
 
     def __post_init__(self) -> None:
         if self.max_request_bytes <= 0 or self.max_n < 1 or self.max_stop_strings < 0 or self.max_logprobs < 0:

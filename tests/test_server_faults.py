@@ -1,5 +1,5 @@
 """Faults a real `sluice serve` process must survive or handle: clients that vanish mid-stream in
-numbers, overload, an engine loop that dies, and SIGTERM under load."""
+numbers, overload, an engine loop that dies, a scheduler that stalls, and SIGTERM under load."""
 from __future__ import annotations
 
 import asyncio
@@ -8,10 +8,12 @@ import random
 import signal
 import subprocess
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional
 
 import httpx
+import openai
 import pytest
 
 from server_utils import RemoteServer, metric, scrape_metrics, wait_until_idle
@@ -199,6 +201,53 @@ def test_engine_failure_fails_calls_then_exits_nonzero() -> None:
         assert code == 1, remote.log()
         assert time.monotonic() - started < 60
         assert "fault injected" in remote.log()
+
+
+def test_a_stalled_scheduler_fails_its_calls_and_the_server_goes_on() -> None:
+    """The scheduler stops scheduling mid-generation (a fault injected after 30 busy steps): after
+    --stall-timeout the calls it held end with a 500 `generation_error`, or an error event in their
+    stream, through the official client; /metrics counts the stall, no KV block stays held, and the
+    server answers the next call as it did before the fault."""
+    args = ["--max-model-len", "512", "--kv-cache-tokens", "4096", "--stall-timeout", "2",
+            "--fault-inject-stall-after-steps", "30"]
+    with RemoteServer(args) as remote:
+        client = openai.OpenAI(base_url=remote.base_url, api_key="unused", max_retries=0, timeout=60)
+        model = client.models.list().data[0].id
+        long_call = {"model": model, "prompt": "Count to a thousand:", "max_tokens": 400,
+                     "extra_body": {"ignore_eos": True}}
+
+        def greedy() -> str:
+            return client.completions.create(model=model, prompt="The capital of France is", max_tokens=8,
+                                             temperature=0).choices[0].text
+
+        def plain() -> openai.APIStatusError:
+            with pytest.raises(openai.APIStatusError) as failed:
+                client.completions.create(**long_call)
+            return failed.value
+
+        def streamed() -> tuple[openai.APIError, int]:
+            chunks = 0
+            with pytest.raises(openai.APIError) as failed:
+                for _ in client.completions.create(**long_call, stream=True):
+                    chunks += 1
+            return failed.value, chunks
+
+        before = greedy()   # 8 tokens: well under 30 busy steps
+        started = time.monotonic()
+        with ThreadPoolExecutor(2) as pool:
+            plain_call, streamed_call = pool.submit(plain), pool.submit(streamed)
+            error = plain_call.result(timeout=60)
+            stream_error, chunks = streamed_call.result(timeout=60)
+        assert time.monotonic() - started < 30
+        assert error.status_code == 500 and error.code == "generation_error", error
+        assert "could not schedule" in error.message
+        assert stream_error.code == "generation_error" and "could not schedule" in stream_error.message
+        assert chunks < 400   # it ended with the error, not with its tokens
+
+        samples = wait_until_idle(remote)
+        assert metric(samples, "sluice:engine_stalls_total") == 1
+        assert greedy() == before
+        assert "fault injected: the scheduler stalls" in remote.log()
 
 
 # -- SIGTERM -------------------------------------------------------------------------------------

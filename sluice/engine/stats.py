@@ -25,6 +25,7 @@ class EngineStats:
     num_workflows: int          # workflows with state in the engine
     admissible_workflows: int   # how many new workflows are welcome now (admission control)
     decode_yield_steps: int = 0  # steps whose running decodes sat out for prompts (cumulative)
+    engine_stalls: int = 0       # times the stall guard failed unfinished requests (cumulative)
     # Hybrid models' recurrent-state slots (all 0 for models without recurrent layers).
     state_slots_total: int = 0       # sequence slots (= max_num_seqs)
     state_slots_used: int = 0        # held by running requests

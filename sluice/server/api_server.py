@@ -21,7 +21,14 @@ from starlette.responses import JSONResponse, Response
 from sluice.config import EngineConfig, ServerConfig
 from sluice.engine.async_engine import AsyncEngine
 from sluice.engine.errors import EngineError
-from sluice.server.lifecycle import LifecycleMiddleware, Phase, ServerLifecycle, UvicornServer, fail_after_busy_steps
+from sluice.server.lifecycle import (
+    LifecycleMiddleware,
+    Phase,
+    ServerLifecycle,
+    UvicornServer,
+    fail_after_busy_steps,
+    stall_after_busy_steps,
+)
 from sluice.server.metrics import CONTENT_TYPE, ServerMetrics
 from sluice.server.protocol import (
     APIError,
@@ -288,6 +295,8 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig) -> int:
     engine = AsyncEngine(engine_config)
     if server_config.fault_inject_after_steps is not None:
         engine.step_hook = fail_after_busy_steps(engine, server_config.fault_inject_after_steps)
+    if server_config.fault_inject_stall_after_steps is not None:
+        stall_after_busy_steps(engine, server_config.fault_inject_stall_after_steps)
     lifecycle = ServerLifecycle(engine, server_config.shutdown_timeout_s)
     app = build_app(engine, server_config, lifecycle)
     server = UvicornServer(uvicorn.Config(

@@ -30,6 +30,7 @@ from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from sluice.engine.async_engine import AsyncEngine
+from sluice.engine.scheduler import SchedulerOutput
 from sluice.server.protocol import APIError
 
 logger = logging.getLogger(__name__)
@@ -187,3 +188,30 @@ def fail_after_busy_steps(engine: AsyncEngine, steps: int) -> Callable[[], None]
                 raise RuntimeError(f"fault injected after {steps} engine steps (--fault-inject-after-steps)")
 
     return hook
+
+
+def stall_after_busy_steps(engine: AsyncEngine, steps: int) -> None:
+    """A test hook (`--fault-inject-stall-after-steps`): after `steps` engine steps that had work to
+    do, the scheduler schedules nothing, as a faulty one might, until the engine's stall guard has
+    failed the requests it held (`LLMEngine._check_stall`); then it schedules as usual again."""
+    llm_engine = engine.engine
+    scheduler = llm_engine.scheduler
+    real = scheduler.schedule
+    busy = 0
+    stalls_before: Optional[int] = None   # set while the fault lasts
+
+    def schedule() -> SchedulerOutput:
+        nonlocal busy, stalls_before
+        if stalls_before is None:
+            busy += scheduler.has_unfinished()
+            if busy <= steps:
+                return real()
+            stalls_before = llm_engine.num_stalls
+            logger.warning("fault injected: the scheduler stalls after %d busy steps "
+                           "(--fault-inject-stall-after-steps)", steps)
+        if llm_engine.num_stalls == stalls_before:
+            return SchedulerOutput()
+        scheduler.schedule = real   # once: the guard has fired
+        return real()
+
+    scheduler.schedule = schedule

@@ -83,6 +83,8 @@ class _EngineStatsCollector(Collector):
         yield self._counter("sluice:num_preemptions", "Preemptions.", s.num_preemptions)
         yield self._counter("sluice:decode_yield_steps", "Steps whose running decodes sat out for waiting prompts.",
                             s.decode_yield_steps)
+        yield self._counter("sluice:engine_stalls", "Times calls the scheduler left unscheduled for the stall "
+                            "timeout were failed (a scheduler fault).", s.engine_stalls)
         yield self._counter("sluice:prompt_tokens", "Prompt tokens computed.", s.prompt_tokens_total)
         yield self._counter("sluice:generation_tokens", "Tokens generated.", s.generation_tokens_total)
         yield self._counter("sluice:spec_decode_num_drafts", "Speculative verifications with drafts.",
