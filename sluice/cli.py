@@ -45,6 +45,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "the prompts get them alone (lower time to first token); 0: every step carries "
                         "every decode (default 1)")
     p.add_argument("--attention-backend", default="auto")
+    p.add_argument("--stall-timeout", type=float, default=30.0, metavar="SECONDS",
+                   help="calls the engine schedules nothing for this long (a scheduler fault) end with a 500 "
+                        "instead of waiting forever (default 30)")
     p.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads (default: all cores)")
     p.add_argument("--step-trace", default=None, metavar="PATH",
                    help="append one JSON line per engine step: its batch shape and where its time went")
@@ -74,9 +77,6 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--responses-store-size", type=int, default=1024,
                    help="how many /v1/responses are kept for previous_response_id, least recently used "
                         "dropped first; 0 keeps none (default 1024)")
-    p.add_argument("--stall-timeout", type=float, default=30.0, metavar="SECONDS",
-                   help="calls the engine schedules nothing for this long (a scheduler fault) end with a 500 "
-                        "instead of waiting forever (default 30)")
     p.add_argument("--fault-inject-after-steps", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--fault-inject-stall-after-steps", type=int, default=None, help=argparse.SUPPRESS)
 

@@ -87,3 +87,17 @@ def test_a_stalled_scheduler_fails_its_requests_and_the_engine_goes_on(llm: LLM,
     stall_for(llm, monkeypatch, empty_steps=0)
     assert [out.outputs[0].token_ids for out in llm.generate(PROMPTS, PARAMS)] == expected
     assert engine.num_stalls == stalls + 2
+
+
+def test_stall_timeout_is_a_server_flag_and_must_be_positive() -> None:
+    import argparse
+
+    from sluice.cli import add_engine_args, build_engine_config
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    assert build_engine_config(parser.parse_args([])).stall_timeout_s == 30.0
+    assert build_engine_config(parser.parse_args(["--stall-timeout", "2.5"])).stall_timeout_s == 2.5
+    for bad in ("0", "-1", "nan"):
+        with pytest.raises(ValueError, match="stall timeout"):
+            build_engine_config(parser.parse_args(["--stall-timeout", bad]))

@@ -480,7 +480,8 @@ struct ItemRunner {
   }
 
   void prefetch_tick() {
-    for (int i = 0; i < lines_per_tick && next_line < lines.size(); ++i) _mm_prefetch(lines[next_line++], _MM_HINT_T1);
+    for (int i = 0; i < lines_per_tick && next_line < lines.size(); ++i)
+      _mm_prefetch(lines[next_line++], _MM_HINT_T1);
   }
 
   void prefetch_rest() {
