@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
@@ -204,7 +204,7 @@ class LLMEngine:
                              "(a scheduler fault, logged by the server)")
 
     def stats(self) -> EngineStats:
-        return replace(self.scheduler.stats(), engine_stalls=self.num_stalls)
+        return self.scheduler.stats(engine_stalls=self.num_stalls)
 
     # --- the step ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

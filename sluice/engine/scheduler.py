@@ -667,7 +667,8 @@ class Scheduler:
         return n
 
     # --- observability ------------------------------------------------------------------
-    def stats(self) -> EngineStats:
+    def stats(self, engine_stalls: int = 0) -> EngineStats:
+        """The snapshot; `engine_stalls` is the engine's own count (LLMEngine's stall guard)."""
         retained = self.workflows.num_retained_blocks
         free = self.pool.num_free_blocks
         evictable = self.pool.num_evictable_blocks
@@ -693,6 +694,7 @@ class Scheduler:
             num_workflows=len(self.workflows.workflows),
             admissible_workflows=self.admissible_workflows(),
             decode_yield_steps=self.decode_yield_steps_total,
+            engine_stalls=engine_stalls,
             state_slots_total=st.layout.num_seq_slots if st else 0,
             state_slots_used=st.num_held if st else 0,
             state_snapshots_total=st.layout.num_snapshots if st else 0,

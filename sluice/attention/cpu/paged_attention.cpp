@@ -454,7 +454,7 @@ struct ItemRunner {
   int lines_per_tick = 1;
 
   // Plans the prefetch of keys [start, start + n): `bytes` of each slot from k_cache / v_cache (the
-  // item's kv heads).
+  // item's kv heads: the whole row when it covers them all), spread over `ticks` calls of prefetch_tick.
   void plan_prefetch(const Problem& pb, const int32_t* table, int32_t start, int n, const T* k_cache,
                      const T* v_cache, int64_t bytes, int ticks) {
     lines.clear();
@@ -463,20 +463,13 @@ struct ItemRunner {
     for_block_runs(pb, table, start, n, [&](int, int run, int64_t slot) {
       const char* k = reinterpret_cast<const char*>(k_cache + slot * pb.cache_row);
       const char* v = reinterpret_cast<const char*>(v_cache + slot * pb.cache_row);
-      if (bytes == row_bytes) {  // whole rows: the run is contiguous
-        for (int64_t o = 0; o < run * row_bytes; o += 64) {
-          lines.push_back(k + o);
-          lines.push_back(v + o);
-        }
-        return;
-      }
       for (int i = 0; i < run; ++i)
         for (int64_t o = i * row_bytes; o < i * row_bytes + bytes; o += 64) {
           lines.push_back(k + o);
           lines.push_back(v + o);
         }
     });
-    lines_per_tick = static_cast<int>((lines.size() + ticks - 1) / std::max(1, ticks));
+    lines_per_tick = static_cast<int>((lines.size() + ticks - 1) / ticks);  // ticks >= kScoreSteps
   }
 
   void prefetch_tick() {
