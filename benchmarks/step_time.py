@@ -30,13 +30,14 @@ def main() -> None:
     ap.add_argument("--backend", default="auto")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--scatter", action="store_true",
                     help="shuffle the free block queue first, so that a sequence's blocks lie scattered "
                          "over the cache as in a server that has run for a while")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    llm = LLM(args.model, dtype="bfloat16", max_model_len=4096, kv_cache_tokens=32 * 2304 + 4096,
+    llm = LLM(args.model, dtype=args.dtype, max_model_len=4096, kv_cache_tokens=32 * 2304 + 4096,
               max_num_seqs=64, max_num_batched_tokens=2048, enable_prefix_caching=False,
               attention_backend=args.backend, block_size=args.block_size)
     eng = llm.engine

@@ -9,11 +9,13 @@
   chunk after a prefix), outputs and caches compared directly.
 - The real model: greedy generation through `LLM(attention_backend="cpu")` equals "torch".
 
-Tolerances: float32 1e-5 (atol and rtol), the shared checker's: the kernel sums in a different
-order (64-key chunks, online softmax, a polynomial exp2 with relative error < 1e-8), which moves
+These run the kernel set this CPU builds (AVX-512 BF16 or AVX2; test_kernel_sets.py runs them
+again on the AVX2 set where the machine defaults to the other). Tolerances: float32 1e-5 (atol and
+rtol), the shared checker's: the kernel sums in a different order (64- or 32-key chunks, online
+softmax, a polynomial exp2 with relative error < 1e-8), which moves
 results by ~1e-6; a wrong mask, slot or scale moves them by O(0.1). bfloat16 2e-2: q/k/v and the
 output carry 8 mantissa bits (an output of ~1 is rounded by up to 4e-3) and, like torch's CPU
-flash attention, the kernel rounds the softmax weights to bf16 before multiplying by V, so a few
+flash attention, the AVX-512 kernel rounds the softmax weights to bf16 before multiplying by V, so a few
 ulps of difference are expected; the cache's garbage is 10x larger than real values, so reading
 a wrong slot still fails by far.
 """
@@ -80,6 +82,32 @@ def test_matches_dense_attention_at_any_thread_count(cpu, num_threads, threads):
     num_threads(threads)
     check_paged_attention(cpu, MANY + FEW_DECODES, num_heads=9, num_kv_heads=3, head_dim=64, block_size=16,
                           dtype=torch.bfloat16, seed=2, **TOLERANCES[torch.bfloat16])
+
+
+@pytest.mark.parametrize("others", [0, 40], ids=["alone", "beside_40_decodes"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_a_query_row_does_not_depend_on_the_rows_beside_it(cpu, others, dtype):
+    """Speculative decoding verifies drafts in one query and keeps the output of greedy decoding
+    only if a position's attention is the same to the bit whether it is a decode or the first of
+    7 verified tokens (other work items, row blocks and code paths around it)."""
+    g = torch.Generator().manual_seed(7)
+    cases = [SeqCase(100 + 37 * i, 1) for i in range(others)] + [SeqCase(300, 7)]
+    num_blocks = sum(-(-(c.context_len + c.query_len) // 16) for c in cases) + 5
+    meta7, _ = build_metadata(cases, 16, num_blocks, g)
+    t7 = sum(c.query_len for c in cases)
+    caches = [torch.randn(num_blocks, 16, 3, 64, generator=g).to(dtype) for _ in range(2)]
+    q, k, v = (torch.randn(t7, h, 64, generator=g).to(dtype) for h in (9, 3, 3))
+    keep = torch.arange(t7) < t7 - 6  # the same step with only the first of the last sequence's 7 tokens
+    qsl, seq_lens = meta7.query_start_loc.clone(), meta7.seq_lens.clone()
+    qsl[-1] -= 6
+    seq_lens[-1] -= 6
+    meta1 = AttentionMetadata(slot_mapping=meta7.slot_mapping[keep], query_start_loc=qsl, seq_lens=seq_lens,
+                              block_tables=meta7.block_tables, num_decodes=others + 1, max_query_len=1,
+                              max_seq_len=int(seq_lens.max()), query_lens_list=[1] * (others + 1),
+                              seq_lens_list=seq_lens.tolist())
+    out7 = cpu.forward(q, k, v, *[c.clone() for c in caches], meta7, 0.125)
+    out1 = cpu.forward(q[keep], k[keep], v[keep], *[c.clone() for c in caches], meta1, 0.125)
+    assert torch.equal(out1, out7[keep])
 
 
 def _random_step(cases, num_heads, num_kv_heads, head_dim, block_size, dtype, seed):

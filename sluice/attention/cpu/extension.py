@@ -1,15 +1,21 @@
 """Compiling, loading and checking the paged-attention extension (paged_attention.cpp).
 
-The extension is compiled once per (source, CPU flags, torch version) with
+The kernels come in two sets with the same ops: for CPUs with AVX-512 BF16 (paged_attention.cpp,
+linear.cpp, fused.cpp: `vdpbf16ps`) and for CPUs with only AVX2 + FMA (the `_avx2.cpp` files:
+bfloat16 widened to float32 in registers). `kernel_isa()` picks the set this CPU runs best;
+`SLUICE_CPU_ISA=avx2` forces the AVX2 set on an AVX-512 machine (to test or compare it).
+
+The extension is compiled once per (source, CPU flags, kernel set, torch version) with
 `torch.utils.cpp_extension.load` into ~/.cache/sluice/torch_extensions and loaded as
 `torch.ops.sluice.paged_attention`. Before first use it is compared with the torch reference on a
-small mixed batch. Any failure (no AVX-512 BF16, no compiler, a wrong result) raises
+small mixed batch. Any failure (neither instruction set, no compiler, a wrong result) raises
 `CpuAttentionUnavailable` with the reason, and is remembered, so a process tries at most once.
 """
 from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import platform
 import threading
 import time
@@ -20,9 +26,14 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("paged_attention.cpp")
-SOURCES = (SOURCE, *(Path(__file__).with_name(n) for n in ("linear.cpp", "fused.cpp", "stack.cpp")))
+# Per kernel set: the CPU flags it needs, its sources (stack.cpp and ops.cpp go with either set).
+KERNEL_SETS = {
+    "avx512_bf16": (("avx512f", "avx512bw", "avx512vl", "avx512_bf16"),
+                    ("paged_attention.cpp", "linear.cpp", "fused.cpp", "stack.cpp", "ops.cpp")),
+    "avx2": (("avx2", "fma"), ("paged_attention_avx2.cpp", "linear_avx2.cpp", "fused_avx2.cpp", "stack.cpp", "ops.cpp")),
+}
 BUILD_ROOT = Path.home() / ".cache" / "sluice" / "torch_extensions"
-REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
+REQUIRED_CPU_FLAGS = KERNEL_SETS["avx2"][0]  # the least any kernel set needs
 CFLAGS = ["-O3", "-march=native", "-std=c++20", "-fopenmp"]
 LDFLAGS = ["-fopenmp"]
 STALE_LOCK_S = 600  # a build takes well under a minute; an older lock is a killed build's
@@ -50,16 +61,33 @@ def cpu_flags() -> set[str]:
 
 
 def missing_cpu_flags() -> list[str]:
-    """The CPU features the kernel needs that this machine lacks (empty: it can run here)."""
+    """The CPU features the kernels need that this machine lacks (empty: a kernel set runs here)."""
+    if kernel_isa() is not None:
+        return []
+    wanted = os.environ.get("SLUICE_CPU_ISA", "").strip()
+    needs = KERNEL_SETS[wanted][0] if wanted in KERNEL_SETS else REQUIRED_CPU_FLAGS
     flags = cpu_flags()
-    return [f for f in REQUIRED_CPU_FLAGS if f not in flags]
+    return [f for f in needs if f not in flags]
 
 
-def _extension_name(flags: set[str]) -> str:
+def kernel_isa() -> str | None:
+    """The kernel set for this CPU: "avx512_bf16" where it has AVX-512 BF16, else "avx2" where it
+    has AVX2 and FMA (or as `SLUICE_CPU_ISA` asks, if the CPU has it), else None."""
+    flags = cpu_flags()
+    usable = [name for name, (needs, _) in KERNEL_SETS.items() if all(f in flags for f in needs)]
+    wanted = os.environ.get("SLUICE_CPU_ISA", "").strip()
+    if wanted:
+        if wanted not in KERNEL_SETS:
+            raise CpuAttentionUnavailable(f"SLUICE_CPU_ISA={wanted!r}: choose one of {sorted(KERNEL_SETS)}")
+        return wanted if wanted in usable else None
+    return usable[0] if usable else None
+
+
+def _extension_name(flags: set[str], isa: str) -> str:
     # -march=native code must never be loaded on another CPU from a shared cache.
     # torch rebuilds when a listed source changes, but not when a header does: hash them all.
     code = hashlib.sha256(b"".join(p.read_bytes() for p in sorted(SOURCE.parent.glob("*.[ch]*")))).hexdigest()
-    key = "|".join([torch.__version__, " ".join(CFLAGS), " ".join(sorted(flags)), code])
+    key = "|".join([torch.__version__, " ".join(CFLAGS), " ".join(sorted(flags)), isa, code])
     return "sluice_paged_attention_" + hashlib.sha256(key.encode()).hexdigest()[:12]
 
 
@@ -67,10 +95,13 @@ def _compile() -> float:
     """Build (or reuse the cached build of) the extension and load it; returns seconds spent."""
     from torch.utils.cpp_extension import load
 
-    missing = missing_cpu_flags()
-    if missing:
-        raise CpuAttentionUnavailable(f"CPU lacks {', '.join(missing)} (need AVX-512 F/BW/VL/BF16 on x86-64 Linux)")
-    name = _extension_name(cpu_flags())
+    isa = kernel_isa()
+    if isa is None:
+        raise CpuAttentionUnavailable(
+            f"CPU lacks {', '.join(missing_cpu_flags()) or os.environ.get('SLUICE_CPU_ISA')} "
+            "(need AVX2 and FMA, or AVX-512 F/BW/VL/BF16, on x86-64 Linux)")
+    sources = [SOURCE.parent / n for n in KERNEL_SETS[isa][1]]
+    name = _extension_name(cpu_flags(), isa)
     build_dir = BUILD_ROOT / name
     build_dir.mkdir(parents=True, exist_ok=True)
     # torch's build lock waits forever on a file left behind by a killed build.
@@ -81,13 +112,14 @@ def _compile() -> float:
             lock.unlink(missing_ok=True)
     except FileNotFoundError:
         pass
-    logger.info("loading the cpu attention extension from %s (a first build takes ~30 s)", build_dir)
+    logger.info("loading the cpu attention extension (%s kernels) from %s (a first build takes ~30 s)", isa, build_dir)
     t0 = time.perf_counter()
     try:
-        load(name=name, sources=[str(p) for p in SOURCES], extra_cflags=CFLAGS, extra_ldflags=LDFLAGS,
+        load(name=name, sources=[str(p) for p in sources], extra_cflags=CFLAGS, extra_ldflags=LDFLAGS,
              build_directory=str(build_dir), is_python_module=False, verbose=False)
     except Exception as e:  # compiler missing, compile error, ninja missing, load failure
-        raise CpuAttentionUnavailable(f"compiling {', '.join(p.name for p in SOURCES)} failed: {str(e)[-800:]}") from e
+        raise CpuAttentionUnavailable(f"compiling {', '.join(p.name for p in sources)} failed: {str(e)[-800:]}") from e
+    _state["isa"] = isa
     return time.perf_counter() - t0
 
 
@@ -145,7 +177,7 @@ def load_extension() -> None:
             _state["error"] = CpuAttentionUnavailable(f"loading the extension failed: {e!r}")
             raise _state["error"] from e  # type: ignore[misc]
         _state["ok"] = True
-        logger.info("cpu attention extension ready (build/load %.1f s)", seconds)
+        logger.info("cpu attention extension ready (%s kernels, build/load %.1f s)", _state.get("isa"), seconds)
 
 
 def is_available() -> bool:

@@ -24,10 +24,10 @@
 #include <ATen/ops/empty.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Optional.h>
-#include <torch/library.h>
 
 #include <immintrin.h>
 
+#include "linear_common.h"
 #include "ops.h"
 #include "simd.h"
 
@@ -122,13 +122,6 @@ void run_group(const bf16* x, int64_t m, int64_t ldx, const bf16* w, int64_t k_p
   }
 }
 
-void check_common(const at::Tensor& x, const at::Tensor& packed, int64_t n, int64_t k) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.stride(1) == 1, "x must be [M, K] bf16, rows contiguous");
-  TORCH_CHECK(packed.scalar_type() == at::kBFloat16 && packed.is_contiguous(), "packed weight must be contiguous bf16");
-  TORCH_CHECK(k % 2 == 0 && x.size(1) == k, "K must be even and match x");
-  TORCH_CHECK(n % 16 == 0 && packed.numel() == n * k, "N must be a multiple of 16 and match the packed weight");
-}
-
 // Columns [g * 64, ...) of the group g; the last group may be 16, 32 or 48 wide.
 template <bool kSiluMul>
 void run(const at::Tensor& x, const at::Tensor& packed, int64_t n, int64_t k, const float* bias, at::Tensor& y) {
@@ -163,37 +156,13 @@ void run(const at::Tensor& x, const at::Tensor& packed, int64_t n, int64_t k, co
   });
 }
 
-const float* bias_ptr(const c10::optional<at::Tensor>& bias, int64_t n) {
-  if (!bias.has_value()) return nullptr;
-  TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == n, "bias must be float32 [N]");
-  return bias->data_ptr<float>();
-}
+struct Avx512 {
+  template <bool kSiluMul>
+  static void run(const at::Tensor& x, const at::Tensor& packed, int64_t n, int64_t k, const float* bias, at::Tensor& y) {
+    ::run<kSiluMul>(x, packed, n, k, bias, y);
+  }
+};
 
 }  // namespace
 
-namespace sluice_ops {
-
-at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t n, const c10::optional<at::Tensor>& bias) {
-  const int64_t k = x.size(1);
-  check_common(x, packed, n, k);
-  at::Tensor y = at::empty({x.size(0), n}, x.options());
-  if (x.size(0) > 0) run<false>(x, packed, n, k, bias_ptr(bias, n), y);
-  return y;
-}
-
-at::Tensor linear_bf16_silu_mul(const at::Tensor& x, const at::Tensor& packed, int64_t n,
-                                const c10::optional<at::Tensor>& bias) {
-  const int64_t k = x.size(1);
-  check_common(x, packed, n, k);
-  TORCH_CHECK(n % 64 == 0 || n % 64 == 32, "gate/up width must be a multiple of 32 (16 gate + 16 up columns)");
-  at::Tensor y = at::empty({x.size(0), n / 2}, x.options());
-  if (x.size(0) > 0) run<true>(x, packed, n, k, bias_ptr(bias, n), y);
-  return y;
-}
-
-}  // namespace sluice_ops
-
-TORCH_LIBRARY_FRAGMENT(sluice, m) {
-  m.def("linear_bf16(Tensor x, Tensor packed, int n, Tensor? bias) -> Tensor", &sluice_ops::linear_bf16);
-  m.def("linear_bf16_silu_mul(Tensor x, Tensor packed, int n, Tensor? bias) -> Tensor", &sluice_ops::linear_bf16_silu_mul);
-}
+SLUICE_DEFINE_LINEAR_OPS(Avx512)

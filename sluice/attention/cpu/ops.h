@@ -1,8 +1,10 @@
-// The CPU kernels' C++ entry points, for kernels that call each other without going through the
-// dispatcher (stack.cpp). Each is also registered as torch.ops.sluice.<name>; see its file.
+// The CPU kernels' C++ entry points: each kernel set (see extension.py) defines them all, ops.cpp
+// registers them as torch.ops.sluice.<name>, and kernels call each other through them without the
+// dispatcher (stack.cpp).
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <ATen/core/List.h>
 #include <c10/util/Optional.h>
 
 #include <tuple>
@@ -13,6 +15,7 @@ namespace sluice_ops {
 std::tuple<at::Tensor, at::Tensor> rms_norm(const at::Tensor& x, const c10::optional<at::Tensor>& residual,
                                             const at::Tensor& weight, double eps);
 void rotary_(at::Tensor q, at::Tensor k, const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin);
+at::Tensor argmax_rows(const at::Tensor& logits);
 
 // linear.cpp
 at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t n, const c10::optional<at::Tensor>& bias);
@@ -23,5 +26,18 @@ at::Tensor linear_bf16_silu_mul(const at::Tensor& x, const at::Tensor& packed, i
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache,
                            at::Tensor v_cache, const at::Tensor& slot_mapping, const at::Tensor& query_start_loc,
                            const at::Tensor& seq_lens, const at::Tensor& block_tables, double scale);
+
+// stack.cpp
+at::Tensor decoder_stack(const at::Tensor& x_in, const at::Tensor& positions, at::TensorList input_norms,
+                         at::TensorList qkv, at::TensorList o_proj, at::TensorList post_norms, at::TensorList gate_up,
+                         at::TensorList down, at::TensorList k_caches, at::TensorList v_caches,
+                         const at::Tensor& slot_mapping, const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
+                         const at::Tensor& block_tables, const at::Tensor& cos, const at::Tensor& sin,
+                         const at::Tensor& final_norm, const c10::List<c10::optional<at::Tensor>>& qkv_bias,
+                         const c10::List<c10::optional<at::Tensor>>& o_bias,
+                         const c10::List<c10::optional<at::Tensor>>& gate_up_bias,
+                         const c10::List<c10::optional<at::Tensor>>& down_bias, at::TensorList q_norms,
+                         at::TensorList k_norms, int64_t num_heads, int64_t head_dim, int64_t intermediate_size,
+                         double eps, double scale);
 
 }  // namespace sluice_ops

@@ -5,9 +5,9 @@
 
 #include <cstdint>
 
-namespace sluice_simd {
+#include "simd_common.h"
 
-using bf16 = uint16_t;  // raw bfloat16 bits
+namespace sluice_simd {
 
 // 2^f for f in [-0.5, 0.5] from the Taylor polynomial of degree kDegree (truncation error: 7,
 // < 1e-8, below float32 rounding; 5, < 3e-6, below bf16 rounding).

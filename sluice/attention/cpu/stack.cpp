@@ -25,7 +25,6 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/core/List.h>
 #include <c10/util/Optional.h>
-#include <torch/library.h>
 
 #include "ops.h"
 
@@ -46,6 +45,10 @@ at::Tensor head_norm(const at::Tensor& x, const at::Tensor& weight, double eps) 
   const at::Tensor xf = x.to(at::kFloat);
   return weight * (xf * at::rsqrt(xf.pow(2).mean(-1, /*keepdim=*/true) + eps)).to(x.scalar_type());
 }
+
+}  // namespace
+
+namespace sluice_ops {
 
 at::Tensor decoder_stack(const at::Tensor& x_in, const at::Tensor& positions, at::TensorList input_norms,
                          at::TensorList qkv, at::TensorList o_proj, at::TensorList post_norms, at::TensorList gate_up,
@@ -95,14 +98,4 @@ at::Tensor decoder_stack(const at::Tensor& x_in, const at::Tensor& positions, at
   return std::get<0>(sluice_ops::rms_norm(x, residual, final_norm, eps));
 }
 
-}  // namespace
-
-TORCH_LIBRARY_FRAGMENT(sluice, m) {
-  m.def(
-      "decoder_stack(Tensor x, Tensor positions, Tensor[] input_norms, Tensor[] qkv, Tensor[] o_proj, "
-      "Tensor[] post_norms, Tensor[] gate_up, Tensor[] down, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, "
-      "Tensor slot_mapping, Tensor query_start_loc, Tensor seq_lens, Tensor block_tables, Tensor cos, Tensor sin, "
-      "Tensor final_norm, Tensor?[] qkv_bias, Tensor?[] o_bias, Tensor?[] gate_up_bias, Tensor?[] down_bias, "
-      "Tensor[] q_norms, Tensor[] k_norms, int num_heads, int head_dim, int intermediate_size, float eps, float scale) -> Tensor",
-      &decoder_stack);
-}
+}  // namespace sluice_ops

@@ -1,0 +1,186 @@
+// bfloat16 linear layers for x86 CPUs with AVX2 + FMA but no AVX-512 BF16: the same ops and the
+// same packed weight layout as linear.cpp (torch.ops.sluice.linear_bf16 and
+// torch.ops.sluice.linear_bf16_silu_mul; packing in sluice/model/packed_linear.py), computed in
+// float32 FMAs.
+//
+// y[M, N] = x[M, K] @ W[N, K]^T (+ bias), float32 accumulation, one rounding to bfloat16.
+//
+// Why: without a bf16 dot-product instruction, torch's bfloat16 matmul runs at ~19 GFLOP/s on
+// such a CPU (a 2-core Zen 3) against ~165 for float32; float32 weights would double the bytes a
+// decode step streams. Here the weights stay bfloat16 and are widened in registers:
+//
+//   packed[group][k pair][column][2]: one 32-bit lane holds (W[n][k], W[n][k+1]); shifted left by
+//   16 it is W[n][k] as a float32, masked to its high half it is W[n][k+1].
+//
+// x is widened to float32 once per call. A unit of work is 16 output columns (two vectors of 8)
+// of one packed group, or, for the fused gate/up projection, 8 gate columns and their 8 up
+// columns. Per k pair a tile of up to 4 rows x 2 vectors does 16 FMAs against 2 weight loads and
+// 8 broadcasts. Units are split between the threads; within a thread rows are taken in blocks
+// whose float32 copy stays in L2 while the thread's units pass over them.
+//
+// linear_bf16_silu_mul writes silu(gate) * up: [M, N / 2] (packed groups hold 32 gate columns then
+// the 32 matching up columns; see pack_gate_up), with both halves rounded to bf16 first.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Optional.h>
+
+#include <immintrin.h>
+
+#include "linear_common.h"
+#include "ops.h"
+#include "simd_avx2.h"
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#if !(defined(__AVX2__) && defined(__FMA__))
+#error "sluice's AVX2 linear kernel needs AVX2 and FMA"
+#endif
+
+namespace {
+
+using sluice_simd::bf16;
+using sluice_simd::exp2_ps;
+using sluice_simd::round_bf16;
+using sluice_simd::store8_bf16;
+
+constexpr int kGroupCols = 64;  // output columns per packed group (as linear.cpp)
+constexpr int kRowTile = 4;     // rows per micro-kernel call: 4 x 2 accumulators
+constexpr int kRowBlock = 96;   // rows whose float32 copy a thread's units pass over together
+
+// acc[r][c] = sum over k of x[r][k] * W[column vector voff[c]][k], for a group whose k pairs are
+// `stride` bf16 apart (2 x its width).
+template <int kRows>
+inline void dot_tile(const float* x, int64_t ldx, const bf16* w, int64_t stride, int64_t k_pairs, const int (&voff)[2],
+                     __m256 (&acc)[kRows][2]) {
+  for (int r = 0; r < kRows; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  const __m256i hi = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+  const bf16* w0 = w + 16 * voff[0];
+  const bf16* w1 = w + 16 * voff[1];
+  for (int64_t p = 0; p < k_pairs; ++p) {
+    const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w0 + p * stride));
+    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w1 + p * stride));
+    const __m256 ae = _mm256_castsi256_ps(_mm256_slli_epi32(a, 16)), ao = _mm256_castsi256_ps(_mm256_and_si256(a, hi));
+    const __m256 be = _mm256_castsi256_ps(_mm256_slli_epi32(b, 16)), bo = _mm256_castsi256_ps(_mm256_and_si256(b, hi));
+    for (int r = 0; r < kRows; ++r) {
+      const __m256 xe = _mm256_broadcast_ss(x + r * ldx + 2 * p);
+      const __m256 xo = _mm256_broadcast_ss(x + r * ldx + 2 * p + 1);
+      acc[r][0] = _mm256_fmadd_ps(xe, ae, acc[r][0]);
+      acc[r][1] = _mm256_fmadd_ps(xe, be, acc[r][1]);
+      acc[r][0] = _mm256_fmadd_ps(xo, ao, acc[r][0]);
+      acc[r][1] = _mm256_fmadd_ps(xo, bo, acc[r][1]);
+    }
+  }
+}
+
+// silu(g) * u = g * u / (1 + exp(-g)), exp through exp2.
+inline __m256 silu_mul(__m256 g, __m256 u) {
+  const __m256 e = exp2_ps(_mm256_mul_ps(g, _mm256_set1_ps(-1.4426950408889634f)));  // exp(-g)
+  return _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), e)), u);
+}
+
+struct Unit {
+  int64_t col;     // first column of the group
+  int vecs;        // the group's width in vectors of 8 columns
+  int voff[2];     // the unit's two column vectors within the group
+  int64_t out;     // first output column of the unit
+};
+
+// Rows [r0, r0 + kRows) of one unit: plain projection (+ bias) or fused silu(gate) * up.
+template <int kRows, bool kSiluMul>
+inline void unit_tile(const float* x, int64_t ldx, const bf16* wg, int64_t k_pairs, const Unit& u, const float* bias,
+                      bf16* y, int64_t ldy) {
+  __m256 acc[kRows][2];
+  dot_tile<kRows>(x, ldx, wg, 16 * u.vecs, k_pairs, u.voff, acc);
+  for (int r = 0; r < kRows; ++r) {
+    __m256 a = acc[r][0], b = acc[r][1];
+    if (bias) {
+      a = _mm256_add_ps(a, _mm256_loadu_ps(bias + u.col + 8 * u.voff[0]));
+      b = _mm256_add_ps(b, _mm256_loadu_ps(bias + u.col + 8 * u.voff[1]));
+    }
+    if constexpr (kSiluMul) {
+      store8_bf16(y + r * ldy + u.out, silu_mul(round_bf16(a), round_bf16(b)));
+    } else {
+      store8_bf16(y + r * ldy + u.out, a);
+      store8_bf16(y + r * ldy + u.out + 8, b);
+    }
+  }
+}
+
+template <bool kSiluMul>
+void run_unit(const float* x, int64_t m, int64_t ldx, const bf16* wg, int64_t k_pairs, const Unit& u,
+              const float* bias, bf16* y, int64_t ldy) {
+  int64_t r = 0;
+  for (; r + kRowTile <= m; r += kRowTile)
+    unit_tile<kRowTile, kSiluMul>(x + r * ldx, ldx, wg, k_pairs, u, bias, y + r * ldy, ldy);
+  const float* xr = x + r * ldx;
+  bf16* yr = y + r * ldy;
+  switch (m - r) {
+    case 0: break;
+    case 1: unit_tile<1, kSiluMul>(xr, ldx, wg, k_pairs, u, bias, yr, ldy); break;
+    case 2: unit_tile<2, kSiluMul>(xr, ldx, wg, k_pairs, u, bias, yr, ldy); break;
+    default: unit_tile<3, kSiluMul>(xr, ldx, wg, k_pairs, u, bias, yr, ldy); break;
+  }
+}
+
+// The units of an N-column weight: plain, per group its vector pairs (0, 1), (2, 3), ...;
+// fused, per group gate vector j with up vector j + vecs / 2.
+std::vector<Unit> make_units(int64_t n, bool silu_mul) {
+  std::vector<Unit> units;
+  for (int64_t col = 0; col < n; col += kGroupCols) {
+    const int vecs = static_cast<int>(std::min<int64_t>(kGroupCols, n - col) / 8);
+    if (silu_mul) {
+      for (int j = 0; j < vecs / 2; ++j) units.push_back({col, vecs, {j, j + vecs / 2}, col / 2 + 8 * j});
+    } else {
+      for (int j = 0; j < vecs; j += 2) units.push_back({col, vecs, {j, j + 1}, col + 8 * j});
+    }
+  }
+  return units;
+}
+
+template <bool kSiluMul>
+void run(const at::Tensor& x, const at::Tensor& packed, int64_t n, int64_t k, const float* bias, at::Tensor& y) {
+  const int64_t m = x.size(0), ldx = x.stride(0), ldy = y.stride(0), k_pairs = k / 2;
+  const bf16* xp = reinterpret_cast<const bf16*>(x.data_ptr<c10::BFloat16>());
+  const bf16* wp = reinterpret_cast<const bf16*>(packed.data_ptr<c10::BFloat16>());
+  bf16* yp = reinterpret_cast<bf16*>(y.data_ptr<c10::BFloat16>());
+  // x widened to float32 once: [M, K], rows contiguous.
+  std::vector<float> xf(static_cast<size_t>(m * k));
+  at::parallel_for(0, m, 64, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const bf16* src = xp + r * ldx;
+      float* dst = xf.data() + r * k;
+      int64_t j = 0;
+      for (; j + 8 <= k; j += 8) _mm256_storeu_ps(dst + j, sluice_simd::load8_bf16(src + j));
+      for (; j < k; ++j) dst[j] = c10::BFloat16(src[j], c10::BFloat16::from_bits());
+    }
+  });
+  const std::vector<Unit> units = make_units(n, kSiluMul);
+  // A unit is K * 32 bytes of weight and 32 * M * K flops; for a tiny M let at::parallel_for
+  // keep it on one thread rather than pay for the fork.
+  const int64_t grain = m * k >= 4096 ? 1 : 8;
+  at::parallel_for(0, static_cast<int64_t>(units.size()), grain, [&](int64_t u0, int64_t u1) {
+    for (int64_t rb = 0; rb < m; rb += kRowBlock) {
+      const int64_t rows = std::min<int64_t>(kRowBlock, m - rb);
+      for (int64_t i = u0; i < u1; ++i) {
+        const Unit& u = units[i];
+        run_unit<kSiluMul>(xf.data() + rb * k, rows, k, wp + u.col * k, k_pairs, u, bias, yp + rb * ldy, ldy);
+      }
+    }
+  });
+}
+
+struct Avx2 {
+  template <bool kSiluMul>
+  static void run(const at::Tensor& x, const at::Tensor& packed, int64_t n, int64_t k, const float* bias, at::Tensor& y) {
+    ::run<kSiluMul>(x, packed, n, k, bias, y);
+  }
+};
+
+}  // namespace
+
+SLUICE_DEFINE_LINEAR_OPS(Avx2)

@@ -1,0 +1,247 @@
+// Paged attention for x86 CPUs with AVX2 + FMA but no AVX-512 BF16, registered as
+// torch.ops.sluice.paged_attention: the op of paged_attention.cpp (same schema, the same split of
+// a step into work items and the same KV write, from attention_common.h) with an item runner on
+// 8-lane float32 vectors.
+//
+// Within an item, the rows of one kv head are (query token, query head of the group) pairs; keys
+// are consumed in chunks of 32 with an online softmax in float32 (base 2: the queries are
+// multiplied by scale * log2 e when loaded). Per chunk and kv head:
+//   K: the chunk's 32 key rows widened to float32 and transposed in 8x8 blocks, so that one
+//      vector holds one head-dim element of 8 keys: a score vector is 8 keys of one row, with no
+//      horizontal sums; 2 rows x 4 key tiles are 8 independent FMA chains.
+//   Softmax: per row, the chunk's maximum, the factor alpha that rescales what the row has
+//      accumulated, the probabilities (exp2 by polynomial) and the denominator.
+//   V: the chunk's value rows widened to float32; 2 rows x 4 vectors of the head dim accumulate
+//      p_j v_j over the chunk's keys.
+// Nothing is rounded to bfloat16 but the output. A row's result does not depend on the item it is
+// in or the rows beside it (every row's sums run in the same order), so a decode and the same
+// position verified among drafts agree to the bit, as speculative decoding needs.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+
+#include <immintrin.h>
+
+#include "attention_common.h"
+#include "ops.h"
+#include "simd_avx2.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+
+#if !(defined(__AVX2__) && defined(__FMA__))
+#error "sluice's AVX2 paged attention needs AVX2 and FMA"
+#endif
+
+namespace {
+
+using sluice_attention::for_block_runs;
+using sluice_attention::kMaxHeadDim;
+using sluice_attention::kMaxRows;
+using sluice_attention::Problem;
+using sluice_attention::WorkItem;
+using sluice_simd::bf16;
+
+constexpr int kChunk = 32;  // keys per online-softmax step: four 8-key score vectors
+constexpr int kTiles = kChunk / 8;
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+alignas(32) const float kZeroRow[kMaxHeadDim] = {};  // stands in for keys past the chunk's end
+
+inline __m256 load8(const bf16* p) { return sluice_simd::load8_bf16(p); }
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline void store8(bf16* p, __m256 v) { sluice_simd::store8_bf16(p, v); }
+inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+
+// Attention of one work item. Rows are grouped by kv head, then token, then query head:
+// row r = (kv head kv_begin + r / per_head, token q_begin + (r % per_head) / group, query head
+// group * kv head + r % group) with per_head = tokens * group.
+template <typename T, int D>
+struct ItemRunner {
+  static constexpr int kVecs = D / 8;
+  static_assert(D % 32 == 0, "the PV pass takes the head dim 32 elements at a time");
+
+  alignas(32) float q[kMaxRows][D];      // query rows, float32, times scale * log2 e
+  alignas(32) float kt[D][kChunk];       // the chunk's keys transposed: kt[d][j] = k_j[d]
+  alignas(32) float v[kChunk][D];        // the chunk's values
+  alignas(32) float p[kMaxRows][kChunk]; // the chunk's probabilities (0 past a row's horizon)
+  alignas(32) float acc[kMaxRows][D];
+  float m[kMaxRows], l[kMaxRows], alpha[kMaxRows];  // m in base-2 score units
+  int32_t qpos[kMaxRows];
+  int64_t out_offset[kMaxRows];
+  const T* kslots[kChunk];  // the chunk's cache slots at head kv_begin
+  const T* vslots[kChunk];
+  const float score_scale;  // softmax scale * log2(e): scores in base 2
+
+  explicit ItemRunner(float scale) : score_scale(scale * kLog2e) {}
+
+  void run(const Problem& pb, const WorkItem& it, const T* qp, const T* k_cache, const T* v_cache, T* out) {
+    const int g = static_cast<int>(pb.group);
+    const int per_head = (it.q_end - it.q_begin) * g;
+    const int heads = it.kv_end - it.kv_begin;
+    const int rows = heads * per_head;
+    const int32_t first_token = pb.query_start[it.seq];
+    const int32_t context = pb.seq_lens[it.seq] - (pb.query_start[it.seq + 1] - first_token);  // before the chunk
+    const __m256 c = _mm256_set1_ps(score_scale);
+    for (int r = 0; r < rows; ++r) {
+      const int token = it.q_begin + (r % per_head) / g;
+      const int64_t head = static_cast<int64_t>(it.kv_begin + r / per_head) * g + r % g;
+      const T* src = qp + (first_token + token) * pb.q_stride_t + head * pb.q_stride_h;
+      for (int d = 0; d < D; d += 8) _mm256_store_ps(q[r] + d, _mm256_mul_ps(load8(src + d), c));
+      out_offset[r] = (first_token + token) * pb.out_stride_t + head * D;
+      qpos[r] = context + token;
+      m[r] = kNegInf;
+      l[r] = 0.0f;
+    }
+    std::memset(acc, 0, sizeof(float) * D * rows);
+
+    const int32_t* table = pb.block_tables + it.seq * pb.table_width;
+    const int32_t num_keys = context + it.q_end;  // the last row's causal horizon
+    for (int32_t start = 0; start < num_keys; start += kChunk) {
+      const int n = std::min<int32_t>(kChunk, num_keys - start);
+      for_block_runs(pb, table, start, n, [&](int j, int run, int64_t slot) {
+        for (int i = 0; i < run; ++i) {
+          kslots[j + i] = k_cache + (slot + i) * pb.cache_row + it.kv_begin * D;
+          vslots[j + i] = v_cache + (slot + i) * pb.cache_row + it.kv_begin * D;
+        }
+      });
+      if (start + kChunk < num_keys) {
+        const int64_t bytes = heads * D * sizeof(T);
+        for_block_runs(pb, table, start + kChunk, std::min<int32_t>(kChunk, num_keys - start - kChunk),
+                       [&](int, int run, int64_t slot) {
+          const char* kb = reinterpret_cast<const char*>(k_cache + slot * pb.cache_row + it.kv_begin * D);
+          const char* vb = reinterpret_cast<const char*>(v_cache + slot * pb.cache_row + it.kv_begin * D);
+          const int64_t row = pb.cache_row * sizeof(T);
+          for (int i = 0; i < run; ++i)
+            for (int64_t o = 0; o < bytes; o += 64) {
+              _mm_prefetch(kb + i * row + o, _MM_HINT_T0);
+              _mm_prefetch(vb + i * row + o, _MM_HINT_T0);
+            }
+        });
+      }
+      for (int hh = 0; hh < heads; ++hh) {
+        const int r0 = hh * per_head, r1 = r0 + per_head;
+        load_k(hh, n);
+        int r = r0;
+        for (; r + 2 <= r1; r += 2) scores_softmax<2>(r, start, n);
+        if (r < r1) scores_softmax<1>(r, start, n);
+        load_v(hh, n);
+        r = r0;
+        for (; r + 2 <= r1; r += 2) accumulate<2>(r, n);
+        if (r < r1) accumulate<1>(r, n);
+      }
+    }
+    for (int r = 0; r < rows; ++r) {
+      const __m256 inv = _mm256_set1_ps(1.0f / l[r]);
+      for (int d = 0; d < D; d += 8) store8(out + out_offset[r] + d, _mm256_mul_ps(_mm256_load_ps(acc[r] + d), inv));
+    }
+  }
+
+ private:
+  // kt from the first n keys of the chunk at kv head kv_begin + hh (zeros past n).
+  void load_k(int hh, int n) {
+    for (int t = 0; t < kTiles; ++t) {
+      const T* src[8];
+      for (int j = 0; j < 8; ++j) {
+        const int key = 8 * t + j;
+        src[j] = key < n ? kslots[key] + hh * D : reinterpret_cast<const T*>(kZeroRow);
+      }
+      for (int d = 0; d < D; d += 8) {
+        __m256 r[8];
+        for (int j = 0; j < 8; ++j) r[j] = load8(src[j] + d);
+        sluice_simd::transpose8x8(r);
+        for (int i = 0; i < 8; ++i) _mm256_store_ps(kt[d + i] + 8 * t, r[i]);
+      }
+    }
+  }
+
+  void load_v(int hh, int n) {
+    for (int j = 0; j < n; ++j) {
+      const T* src = vslots[j] + hh * D;
+      for (int d = 0; d < D; d += 8) _mm256_store_ps(v[j] + d, load8(src + d));
+    }
+  }
+
+  // Scores of rows [rb, rb + N) against the chunk's keys [start, start + n) and their online
+  // softmax step: new maxima m, rescale factors alpha, denominators l, probabilities p.
+  template <int N>
+  void scores_softmax(int rb, int32_t start, int n) {
+    __m256 a[N][kTiles];
+    for (int i = 0; i < N; ++i)
+      for (int t = 0; t < kTiles; ++t) a[i][t] = _mm256_setzero_ps();
+#pragma GCC unroll 4
+    for (int d = 0; d < D; ++d) {
+      __m256 k[kTiles];
+      for (int t = 0; t < kTiles; ++t) k[t] = _mm256_load_ps(kt[d] + 8 * t);
+      for (int i = 0; i < N; ++i) {
+        const __m256 qv = _mm256_broadcast_ss(q[rb + i] + d);
+        for (int t = 0; t < kTiles; ++t) a[i][t] = _mm256_fmadd_ps(k[t], qv, a[i][t]);
+      }
+    }
+    softmax<N>(rb, start, n, a);
+  }
+
+  // The online softmax step of rows [rb, rb + N) given their scores a against the chunk's keys
+  // [start, start + n) (lanes past n or past a row's horizon are ignored).
+  template <int N>
+  void softmax(int rb, int32_t start, int n, __m256 (&a)[N][kTiles]) {
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    for (int i = 0; i < N; ++i) {
+      const int r = rb + i;
+      const int valid = std::min(n, qpos[r] - start + 1);  // keys this row sees (may be <= 0)
+      if (valid <= 0) {  // the whole chunk is in this row's future
+        alpha[r] = 1.0f;
+        std::memset(p[r], 0, sizeof(p[r]));
+        continue;
+      }
+      __m256 mx = _mm256_set1_ps(kNegInf);
+      for (int t = 0; t < kTiles; ++t) {
+        const __m256i idx = _mm256_add_epi32(lane, _mm256_set1_epi32(8 * t));
+        const __m256 keep = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(valid), idx));
+        a[i][t] = _mm256_blendv_ps(_mm256_set1_ps(kNegInf), a[i][t], keep);
+        mx = _mm256_max_ps(mx, a[i][t]);
+      }
+      const float m_new = std::max(m[r], sluice_simd::hmax(mx));
+      alpha[r] = std::exp2(m[r] - m_new);  // the first chunk's m is -inf: 0, and it scales zeros
+      m[r] = m_new;
+      const __m256 mv = _mm256_set1_ps(m_new);
+      __m256 sum = _mm256_setzero_ps();
+      for (int t = 0; t < kTiles; ++t) {
+        const __m256 e = sluice_simd::exp2_ps(_mm256_sub_ps(a[i][t], mv));  // -inf (masked) -> 0
+        _mm256_store_ps(p[r] + 8 * t, e);
+        sum = _mm256_add_ps(sum, e);
+      }
+      l[r] = l[r] * alpha[r] + sluice_simd::hsum(sum);
+    }
+  }
+
+  // acc[r] = acc[r] * alpha[r] + sum over the chunk's first n keys of p[r][j] v_j, r in [rb, rb + N).
+  template <int N>
+  void accumulate(int rb, int n) {
+    for (int d0 = 0; d0 < D; d0 += 32) {
+      __m256 a[N][4];
+      for (int i = 0; i < N; ++i) {
+        const __m256 s = _mm256_set1_ps(alpha[rb + i]);
+        for (int c = 0; c < 4; ++c) a[i][c] = _mm256_mul_ps(_mm256_load_ps(acc[rb + i] + d0 + 8 * c), s);
+      }
+      for (int j = 0; j < n; ++j) {
+        __m256 vv[4];
+        for (int c = 0; c < 4; ++c) vv[c] = _mm256_load_ps(v[j] + d0 + 8 * c);
+        for (int i = 0; i < N; ++i) {
+          const __m256 pj = _mm256_broadcast_ss(p[rb + i] + j);
+          for (int c = 0; c < 4; ++c) a[i][c] = _mm256_fmadd_ps(pj, vv[c], a[i][c]);
+        }
+      }
+      for (int i = 0; i < N; ++i)
+        for (int c = 0; c < 4; ++c) _mm256_store_ps(acc[rb + i] + d0 + 8 * c, a[i][c]);
+    }
+  }
+};
+
+}  // namespace
+
+SLUICE_DEFINE_PAGED_ATTENTION(ItemRunner)
