@@ -148,12 +148,15 @@ void run(const at::Tensor& x, const at::Tensor& packed, int64_t n, int64_t k, co
   const bf16* xp = reinterpret_cast<const bf16*>(x.data_ptr<c10::BFloat16>());
   const bf16* wp = reinterpret_cast<const bf16*>(packed.data_ptr<c10::BFloat16>());
   bf16* yp = reinterpret_cast<bf16*>(y.data_ptr<c10::BFloat16>());
-  // x widened to float32 once: [M, K], rows contiguous.
-  std::vector<float> xf(static_cast<size_t>(m * k));
+  // x widened to float32 once: [M, K], rows contiguous, in the calling thread's buffer (kept
+  // between calls: a fresh one per call would be mapped and page-faulted anew at prefill sizes).
+  thread_local std::vector<float> xf;
+  if (xf.size() < static_cast<size_t>(m * k)) xf.resize(static_cast<size_t>(m * k));
+  float* xw = xf.data();  // the worker threads' lambdas must not name xf: each has its own
   at::parallel_for(0, m, 64, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       const bf16* src = xp + r * ldx;
-      float* dst = xf.data() + r * k;
+      float* dst = xw + r * k;
       int64_t j = 0;
       for (; j + 8 <= k; j += 8) _mm256_storeu_ps(dst + j, sluice_simd::load8_bf16(src + j));
       for (; j < k; ++j) dst[j] = c10::BFloat16(src[j], c10::BFloat16::from_bits());
@@ -168,7 +171,7 @@ void run(const at::Tensor& x, const at::Tensor& packed, int64_t n, int64_t k, co
       const int64_t rows = std::min<int64_t>(kRowBlock, m - rb);
       for (int64_t i = u0; i < u1; ++i) {
         const Unit& u = units[i];
-        run_unit<kSiluMul>(xf.data() + rb * k, rows, k, wp + u.col * k, k_pairs, u, bias, yp + rb * ldy, ldy);
+        run_unit<kSiluMul>(xw + rb * k, rows, k, wp + u.col * k, k_pairs, u, bias, yp + rb * ldy, ldy);
       }
     }
   });
