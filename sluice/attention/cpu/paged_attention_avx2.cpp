@@ -76,6 +76,12 @@ struct ItemRunner {
   const T* kslots[kChunk];  // the chunk's cache slots at head kv_begin
   const T* vslots[kChunk];
   const float score_scale;  // softmax scale * log2(e): scores in base 2
+  // The next chunk's K and V rows (one segment per key and cache, K first), prefetched a few
+  // lines at a time between this chunk's loads: a burst of hundreds of prefetches at the chunk's
+  // start stalls on the line-fill buffers, spread out they overlap the compute.
+  const char* pf_seg[2 * kChunk];
+  int pf_count = 0, pf_next = 0, pf_per_tick = 0;
+  int64_t pf_off = 0, pf_bytes = 0;
 
   explicit ItemRunner(float scale) : score_scale(scale * kLog2e) {}
 
@@ -109,20 +115,8 @@ struct ItemRunner {
           vslots[j + i] = v_cache + (slot + i) * pb.cache_row + it.kv_begin * D;
         }
       });
-      if (start + kChunk < num_keys) {
-        const int64_t bytes = heads * D * sizeof(T);
-        for_block_runs(pb, table, start + kChunk, std::min<int32_t>(kChunk, num_keys - start - kChunk),
-                       [&](int, int run, int64_t slot) {
-          const char* kb = reinterpret_cast<const char*>(k_cache + slot * pb.cache_row + it.kv_begin * D);
-          const char* vb = reinterpret_cast<const char*>(v_cache + slot * pb.cache_row + it.kv_begin * D);
-          const int64_t row = pb.cache_row * sizeof(T);
-          for (int i = 0; i < run; ++i)
-            for (int64_t o = 0; o < bytes; o += 64) {
-              _mm_prefetch(kb + i * row + o, _MM_HINT_T0);
-              _mm_prefetch(vb + i * row + o, _MM_HINT_T0);
-            }
-        });
-      }
+      plan_prefetch(pb, table, start + kChunk, std::min<int32_t>(kChunk, num_keys - start - kChunk), k_cache, v_cache,
+                    it.kv_begin, heads, n);
       for (int hh = 0; hh < heads; ++hh) {
         const int r0 = hh * per_head, r1 = r0 + per_head;
         load_k(hh, n);
@@ -142,6 +136,37 @@ struct ItemRunner {
   }
 
  private:
+  // Sets up the prefetch of keys [start, start + n) (none if n <= 0) over the ticks of a chunk of
+  // `cur` keys: one per 8x8 block of K and one per key of V, for every kv head.
+  void plan_prefetch(const Problem& pb, const int32_t* table, int32_t start, int n, const T* k_cache,
+                     const T* v_cache, int kv_begin, int heads, int cur) {
+    pf_count = pf_next = 0;
+    pf_off = 0;
+    if (n <= 0) return;
+    for_block_runs(pb, table, start, n, [&](int j, int run, int64_t slot) {
+      for (int i = 0; i < run; ++i) {
+        pf_seg[j + i] = reinterpret_cast<const char*>(k_cache + (slot + i) * pb.cache_row + kv_begin * D);
+        pf_seg[n + j + i] = reinterpret_cast<const char*>(v_cache + (slot + i) * pb.cache_row + kv_begin * D);
+      }
+    });
+    pf_count = 2 * n;
+    pf_bytes = static_cast<int64_t>(heads) * D * sizeof(T);
+    const int64_t lines = pf_count * ((pf_bytes + 63) / 64);
+    const int64_t ticks = static_cast<int64_t>(heads) * (kTiles * (D / 8) + cur);
+    pf_per_tick = static_cast<int>((lines + ticks - 1) / ticks);
+  }
+
+  inline void prefetch_tick() {
+    for (int i = 0; i < pf_per_tick && pf_next < pf_count; ++i) {
+      _mm_prefetch(pf_seg[pf_next] + pf_off, _MM_HINT_T0);
+      pf_off += 64;
+      if (pf_off >= pf_bytes) {
+        pf_off = 0;
+        ++pf_next;
+      }
+    }
+  }
+
   // kt from the first n keys of the chunk at kv head kv_begin + hh (zeros past n).
   void load_k(int hh, int n) {
     for (int t = 0; t < kTiles; ++t) {
@@ -155,6 +180,7 @@ struct ItemRunner {
         for (int j = 0; j < 8; ++j) r[j] = load8(src[j] + d);
         sluice_simd::transpose8x8(r);
         for (int i = 0; i < 8; ++i) _mm256_store_ps(kt[d + i] + 8 * t, r[i]);
+        prefetch_tick();
       }
     }
   }
@@ -163,6 +189,7 @@ struct ItemRunner {
     for (int j = 0; j < n; ++j) {
       const T* src = vslots[j] + hh * D;
       for (int d = 0; d < D; d += 8) _mm256_store_ps(v[j] + d, load8(src + d));
+      prefetch_tick();
     }
   }
 
