@@ -8,6 +8,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from hf_reference import hf_tokenizer
 from sluice.engine.detokenizer import IncrementalDetokenizer
 from sluice.tokenizer import Tokenizer
 
@@ -30,10 +31,8 @@ TEXTS = [
 def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
     if not (_MODELS / _GGUF).exists():
         pytest.skip(f"{_GGUF} not in {_MODELS}")
-    from transformers import AutoTokenizer
-
     folder = tmp_path_factory.mktemp("smollm2_tokenizer")
-    AutoTokenizer.from_pretrained(str(_MODELS), gguf_file=_GGUF).save_pretrained(folder)
+    hf_tokenizer(_MODELS / _GGUF).save_pretrained(folder)
     return Tokenizer.from_hf_folder(folder)
 
 

@@ -13,6 +13,7 @@ from gguf.quants import quantize
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from hf_reference import hf_model_fp32, hf_tokenizer
 from sluice.model.default import ensure_default_model
 from sluice.model.gguf_loader import GGUFCheckpoint, _unpermute_rotary, export_hf, read_gguf
 from sluice.tokenizer import Tokenizer
@@ -68,13 +69,13 @@ def tokenizer(ckpt: GGUFCheckpoint) -> Tokenizer:
 
 @pytest.fixture(scope="module")
 def ref_tokenizer(gguf_path: Path):
-    return AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    return hf_tokenizer(gguf_path)
 
 
 @pytest.fixture(scope="module")
 def ref_model(gguf_path: Path):
     torch.manual_seed(0)
-    return AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32).eval()
+    return hf_model_fp32(gguf_path)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -37,8 +37,8 @@ from pathlib import Path
 import jsonschema
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
+from hf_reference import hf_model_fp32
 from sluice.engine import llm_engine
 from sluice.llm import LLM
 from sluice.model import gguf_loader
@@ -172,7 +172,7 @@ class Reference:
 
 @pytest.fixture(scope="module")
 def hf_fp32():
-    return AutoModelForCausalLM.from_pretrained(MODEL.parent, gguf_file=MODEL.name, dtype=torch.float32).eval()
+    return hf_model_fp32(MODEL)
 
 
 @pytest.fixture(scope="module")

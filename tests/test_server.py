@@ -11,6 +11,7 @@ import httpx
 import openai
 import pytest
 
+from hf_reference import hf_tokenizer
 from server_utils import RemoteServer, metric, scrape_metrics, wait_until_idle
 from sluice.model.default import ensure_default_model
 
@@ -241,10 +242,7 @@ CHAT = [
 @pytest.fixture(scope="module")
 def hf_tokenizer():
     """The reference: transformers' tokenizer and chat template from the served GGUF."""
-    from transformers import AutoTokenizer
-
-    path = ensure_default_model()
-    return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    return hf_tokenizer(ensure_default_model())
 
 
 def post(server: RemoteServer, path: str, body: dict) -> dict:

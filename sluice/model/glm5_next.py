@@ -38,7 +38,7 @@ from torch import nn
 from sluice.attention.base import AttentionBackend, AttentionMetadata
 from sluice.config import ModelConfig
 from sluice.model.cache_spec import CacheTensor, ModelCacheSpec
-from sluice.model.layers import RMSNorm
+from sluice.model.layers import RMSNorm, embedding
 from sluice.model.llama import LlamaForCausalLM
 from sluice.model.glm4_moe import glm_router
 from sluice.model.moe import FusedExperts, SparseMoeBlock, swiglu
@@ -463,7 +463,7 @@ class Glm5NextForCausalLM(LlamaForCausalLM):
             raise ValueError("glm5_next: layer_types must name every layer")
         self.cfg = cfg
         self.hc_mult = x.get("hc_mult", 4)
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(Glm5NextDecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)

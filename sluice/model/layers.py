@@ -58,6 +58,13 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
+def embedding(num_embeddings: int, dim: int) -> nn.Embedding:
+    """An `nn.Embedding` without its random init: the checkpoint fills it. Models are built on the
+    meta device, where `normal_` goes through torch's reference ops and imports torch._dynamo
+    (~3 s of every server start)."""
+    return nn.Embedding(num_embeddings, dim, _weight=torch.empty(num_embeddings, dim))
+
+
 class RotaryEmbedding(nn.Module):
     """Neox-style rotary embedding (rotate_half, as transformers' Llama) with a cos/sin table.
 
@@ -70,7 +77,10 @@ class RotaryEmbedding(nn.Module):
                  scaling: Optional[dict] = None, rotary_dim: Optional[int] = None) -> None:
         super().__init__()
         self.rotary_dim = rotary_dim or head_dim
-        inv_freq = 1.0 / (theta ** (torch.arange(0, self.rotary_dim, 2, dtype=torch.int64).float() / self.rotary_dim))
+        # The tables are computed on the CPU even when the model is built on the meta device (where
+        # these ops would import torch._dynamo, ~3 s); to_empty() then replaces them (see loader).
+        inv_freq = 1.0 / (theta ** (torch.arange(0, self.rotary_dim, 2, dtype=torch.int64, device="cpu").float()
+                                    / self.rotary_dim))
         rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
         if rope_type == "llama3":
             inv_freq = _llama3_inv_freq(inv_freq, scaling)
@@ -79,7 +89,7 @@ class RotaryEmbedding(nn.Module):
             inv_freq = inv_freq / scaling["factor"]
         elif rope_type not in ("default", None):
             raise ValueError(f"unsupported rope scaling type {rope_type!r}")
-        t = torch.arange(max_position, dtype=torch.float32)
+        t = torch.arange(max_position, dtype=torch.float32, device="cpu")
         freqs = torch.outer(t, inv_freq)                                   # [P, rotary_dim / 2]
         self.register_buffer("cos", freqs.cos(), persistent=False)
         self.register_buffer("sin", freqs.sin(), persistent=False)

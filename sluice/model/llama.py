@@ -14,7 +14,7 @@ from torch import nn
 
 from sluice.attention.base import AttentionBackend, AttentionMetadata
 from sluice.config import ModelConfig
-from sluice.model.layers import RMSNorm, RotaryEmbedding, silu_and_mul
+from sluice.model.layers import RMSNorm, RotaryEmbedding, embedding, silu_and_mul
 
 
 class LlamaAttention(nn.Module):
@@ -119,7 +119,7 @@ class LlamaForCausalLM(nn.Module):
         if act not in ("silu", "swish"):
             raise ValueError(f"{cfg.architecture}: unsupported activation {act!r} (only silu)")
         self.cfg = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = embedding(cfg.vocab_size, cfg.hidden_size)
         self.rotary = self._make_rotary(cfg)
         self.layers = nn.ModuleList(self._make_layer(i, backend) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
