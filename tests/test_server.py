@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from hf_reference import hf_tokenizer
+from hf_reference import hf_tokenizer as load_hf_tokenizer
 from server_utils import RemoteServer, metric, scrape_metrics, wait_until_idle
 from sluice.model.default import ensure_default_model
 
@@ -242,7 +242,7 @@ CHAT = [
 @pytest.fixture(scope="module")
 def hf_tokenizer():
     """The reference: transformers' tokenizer and chat template from the served GGUF."""
-    return hf_tokenizer(ensure_default_model())
+    return load_hf_tokenizer(ensure_default_model())
 
 
 def post(server: RemoteServer, path: str, body: dict) -> dict:
