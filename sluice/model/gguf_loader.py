@@ -68,9 +68,6 @@ _SCALAR_FORMATS = {
 }
 
 
-_STRUCTS: dict[str, struct.Struct] = {}
-
-
 @dataclass(frozen=True)
 class _TensorInfo:
     name: str
@@ -108,9 +105,8 @@ class _GGUFFile:
         self.tensors = {name: _TensorInfo(name, dims, qtype, data_start + off) for name, dims, qtype, off in infos}
 
     def _scalar(self, fmt: str) -> Any:
-        st = _STRUCTS.get(fmt) or _STRUCTS.setdefault(fmt, struct.Struct(fmt))
-        (value,) = st.unpack_from(self._view, self._pos)
-        self._pos += st.size
+        (value,) = struct.unpack_from(fmt, self._view, self._pos)
+        self._pos += struct.calcsize(fmt)
         return value
 
     def _string(self) -> str:
