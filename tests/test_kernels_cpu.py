@@ -236,3 +236,22 @@ def test_argmax_rows_matches_torch_argmax(dtype):
     for t in (x, wide[:, :x.shape[1]]):                 # contiguous, and rows further apart
         assert torch.equal(torch.ops.sluice.argmax_rows(t), t.argmax(dim=-1))
     assert torch.ops.sluice.argmax_rows(x[:0]).shape == (0,)
+
+
+@pytest.mark.parametrize("silu_mul", [False, True])
+def test_a_row_does_not_depend_on_the_rows_beside_it(silu_mul):
+    """Each output row is the same bits whatever the row count: small batches and large ones take
+    different code paths (on AVX2, weights widened once per block from 8 rows), and speculative
+    verification (7 rows a request) must reproduce plain decoding (1 row) exactly."""
+    g = torch.Generator().manual_seed(7)
+    k, n = 576, 192
+    w = (torch.randn(n, k, generator=g) / k ** 0.5).bfloat16()
+    b = torch.randn(n, generator=g).bfloat16()
+    layer = PackedLinear(w, b, silu_mul=silu_mul)
+    x = torch.randn(130, k, generator=g).bfloat16()
+    whole = layer(x)
+    # A different summation order moves only a few outputs in 10^4 across a bf16 rounding
+    # boundary, so every row is compared, in chunks of each size.
+    for m in (1, 2, 5, 7, 8, 9, 13, 97):
+        part = torch.cat([layer(x[i:i + m]) for i in range(0, 130, m)])
+        assert torch.equal(part, whole), f"rows differ between batches of {m} and one of 130"

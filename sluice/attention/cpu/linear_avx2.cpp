@@ -51,6 +51,8 @@ using sluice_simd::store8_bf16;
 constexpr int kGroupCols = 64;  // output columns per packed group (as linear.cpp)
 constexpr int kRowTile = 4;     // rows per micro-kernel call: 4 x 2 accumulators
 constexpr int kRowBlock = 96;   // rows whose float32 copy a thread's units pass over together
+constexpr int kWideRows = 6;     // rows per micro-kernel call on widened weights: 6 x 2 accumulators
+constexpr int64_t kWideMinRows = 8;  // from this many rows a unit's weights are widened once per row block
 
 // acc[r][c] = sum over k of x[r][k] * W[column vector voff[c]][k], for a group whose k pairs are
 // `stride` bf16 apart (2 x its width).
@@ -77,6 +79,48 @@ inline void dot_tile(const float* x, int64_t ldx, const bf16* w, int64_t stride,
   }
 }
 
+// A unit's 16 columns widened to float32, [K][16]: row k holds W[col][k] of the unit's two column
+// vectors. Written once per unit and row block, then read by every row tile of the block.
+inline void widen_unit(const bf16* w, int64_t stride, int64_t k_pairs, const int (&voff)[2], float* wf) {
+  const __m256i hi = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+  const bf16* w0 = w + 16 * voff[0];
+  const bf16* w1 = w + 16 * voff[1];
+  for (int64_t p = 0; p < k_pairs; ++p) {
+    const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w0 + p * stride));
+    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w1 + p * stride));
+    float* row = wf + 32 * p;
+    _mm256_store_ps(row, _mm256_castsi256_ps(_mm256_slli_epi32(a, 16)));
+    _mm256_store_ps(row + 8, _mm256_castsi256_ps(_mm256_slli_epi32(b, 16)));
+    _mm256_store_ps(row + 16, _mm256_castsi256_ps(_mm256_and_si256(a, hi)));
+    _mm256_store_ps(row + 24, _mm256_castsi256_ps(_mm256_and_si256(b, hi)));
+  }
+}
+
+// dot_tile on a widened unit: the same FMAs in the same order (one chain per output over k =
+// 0, 1, ...), so the same bits, with the widening out of the loop and 6 rows of 2 accumulators.
+template <int kRows>
+inline void dot_tile_wide(const float* x, int64_t ldx, const float* wf, int64_t k, __m256 (&acc)[kRows][2]) {
+  // Local accumulators: __m256 may alias float, so ones reached through `acc` would be stored
+  // back to memory after every FMA.
+  __m256 c0[kRows], c1[kRows];
+#pragma GCC unroll 8
+  for (int r = 0; r < kRows; ++r) c0[r] = c1[r] = _mm256_setzero_ps();
+  for (int64_t j = 0; j < k; ++j) {
+    const __m256 a = _mm256_load_ps(wf + 16 * j), b = _mm256_load_ps(wf + 16 * j + 8);
+#pragma GCC unroll 8
+    for (int r = 0; r < kRows; ++r) {
+      const __m256 xb = _mm256_broadcast_ss(x + r * ldx + j);
+      c0[r] = _mm256_fmadd_ps(xb, a, c0[r]);
+      c1[r] = _mm256_fmadd_ps(xb, b, c1[r]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < kRows; ++r) {
+    acc[r][0] = c0[r];
+    acc[r][1] = c1[r];
+  }
+}
+
 // silu(g) * u = g * u / (1 + exp(-g)), exp through exp2.
 inline __m256 silu_mul(__m256 g, __m256 u) {
   const __m256 e = exp2_ps(_mm256_mul_ps(g, _mm256_set1_ps(-1.4426950408889634f)));  // exp(-g)
@@ -92,10 +136,7 @@ struct Unit {
 
 // Rows [r0, r0 + kRows) of one unit: plain projection (+ bias) or fused silu(gate) * up.
 template <int kRows, bool kSiluMul>
-inline void unit_tile(const float* x, int64_t ldx, const bf16* wg, int64_t k_pairs, const Unit& u, const float* bias,
-                      bf16* y, int64_t ldy) {
-  __m256 acc[kRows][2];
-  dot_tile<kRows>(x, ldx, wg, 16 * u.vecs, k_pairs, u.voff, acc);
+inline void store_tile(__m256 (&acc)[kRows][2], const Unit& u, const float* bias, bf16* y, int64_t ldy) {
   for (int r = 0; r < kRows; ++r) {
     __m256 a = acc[r][0], b = acc[r][1];
     if (bias) {
@@ -111,6 +152,22 @@ inline void unit_tile(const float* x, int64_t ldx, const bf16* wg, int64_t k_pai
   }
 }
 
+template <int kRows, bool kSiluMul>
+inline void unit_tile(const float* x, int64_t ldx, const bf16* wg, int64_t k_pairs, const Unit& u, const float* bias,
+                      bf16* y, int64_t ldy) {
+  __m256 acc[kRows][2];
+  dot_tile<kRows>(x, ldx, wg, 16 * u.vecs, k_pairs, u.voff, acc);
+  store_tile<kRows, kSiluMul>(acc, u, bias, y, ldy);
+}
+
+template <int kRows, bool kSiluMul>
+inline void unit_tile_wide(const float* x, int64_t ldx, const float* wf, int64_t k, const Unit& u, const float* bias,
+                           bf16* y, int64_t ldy) {
+  __m256 acc[kRows][2];
+  dot_tile_wide<kRows>(x, ldx, wf, k, acc);
+  store_tile<kRows, kSiluMul>(acc, u, bias, y, ldy);
+}
+
 template <bool kSiluMul>
 void run_unit(const float* x, int64_t m, int64_t ldx, const bf16* wg, int64_t k_pairs, const Unit& u,
               const float* bias, bf16* y, int64_t ldy) {
@@ -124,6 +181,27 @@ void run_unit(const float* x, int64_t m, int64_t ldx, const bf16* wg, int64_t k_
     case 1: unit_tile<1, kSiluMul>(xr, ldx, wg, k_pairs, u, bias, yr, ldy); break;
     case 2: unit_tile<2, kSiluMul>(xr, ldx, wg, k_pairs, u, bias, yr, ldy); break;
     default: unit_tile<3, kSiluMul>(xr, ldx, wg, k_pairs, u, bias, yr, ldy); break;
+  }
+}
+
+// run_unit with the unit's weights widened first (wf: K * 16 floats, 32-byte aligned).
+template <bool kSiluMul>
+void run_unit_wide(const float* x, int64_t m, int64_t ldx, const bf16* wg, int64_t k_pairs, const Unit& u,
+                   const float* bias, bf16* y, int64_t ldy, float* wf) {
+  const int64_t k = 2 * k_pairs;
+  widen_unit(wg, 16 * u.vecs, k_pairs, u.voff, wf);
+  int64_t r = 0;
+  for (; r + kWideRows <= m; r += kWideRows)
+    unit_tile_wide<kWideRows, kSiluMul>(x + r * ldx, ldx, wf, k, u, bias, y + r * ldy, ldy);
+  const float* xr = x + r * ldx;
+  bf16* yr = y + r * ldy;
+  switch (m - r) {
+    case 0: break;
+    case 1: unit_tile_wide<1, kSiluMul>(xr, ldx, wf, k, u, bias, yr, ldy); break;
+    case 2: unit_tile_wide<2, kSiluMul>(xr, ldx, wf, k, u, bias, yr, ldy); break;
+    case 3: unit_tile_wide<3, kSiluMul>(xr, ldx, wf, k, u, bias, yr, ldy); break;
+    case 4: unit_tile_wide<4, kSiluMul>(xr, ldx, wf, k, u, bias, yr, ldy); break;
+    default: unit_tile_wide<5, kSiluMul>(xr, ldx, wf, k, u, bias, yr, ldy); break;
   }
 }
 
@@ -166,12 +244,22 @@ void run(const at::Tensor& x, const at::Tensor& packed, int64_t n, int64_t k, co
   // A unit is K * 32 bytes of weight and 32 * M * K flops; for a tiny M let at::parallel_for
   // keep it on one thread rather than pay for the fork.
   const int64_t grain = m * k >= 4096 ? 1 : 8;
+  const bool wide = m >= kWideMinRows;
   at::parallel_for(0, static_cast<int64_t>(units.size()), grain, [&](int64_t u0, int64_t u1) {
+    thread_local std::vector<float> wbuf;
+    float* wf = nullptr;
+    if (wide) {
+      if (wbuf.size() < static_cast<size_t>(16 * k + 8)) wbuf.resize(static_cast<size_t>(16 * k + 8));
+      wf = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(wbuf.data()) + 31) & ~uintptr_t(31));
+    }
     for (int64_t rb = 0; rb < m; rb += kRowBlock) {
       const int64_t rows = std::min<int64_t>(kRowBlock, m - rb);
       for (int64_t i = u0; i < u1; ++i) {
         const Unit& u = units[i];
-        run_unit<kSiluMul>(xw + rb * k, rows, k, wp + u.col * k, k_pairs, u, bias, yp + rb * ldy, ldy);
+        if (wide)
+          run_unit_wide<kSiluMul>(xw + rb * k, rows, k, wp + u.col * k, k_pairs, u, bias, yp + rb * ldy, ldy, wf);
+        else
+          run_unit<kSiluMul>(xw + rb * k, rows, k, wp + u.col * k, k_pairs, u, bias, yp + rb * ldy, ldy);
       }
     }
   });
