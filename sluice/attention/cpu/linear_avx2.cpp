@@ -15,7 +15,11 @@
 // x is widened to float32 once per call. A unit of work is 16 output columns (two vectors of 8)
 // of one packed group, or, for the fused gate/up projection, 8 gate columns and their 8 up
 // columns. Per k pair a tile of up to 4 rows x 2 vectors does 16 FMAs against 2 weight loads and
-// 8 broadcasts. Units are split between the threads; within a thread rows are taken in blocks
+// 8 broadcasts. From 8 rows on, a unit's weights are first widened to float32 ([K][16], once per
+// unit and row block) and tiles of 6 rows x 2 vectors run on them: per k 12 FMAs against 2 loads
+// and 6 broadcasts, no widening in the loop (~1.3-1.5x the throughput at 32-224 rows here). Both
+// paths sum each output in one chain over k = 0, 1, ..., so a row's bits do not depend on how many
+// rows share the call. Units are split between the threads; within a thread rows are taken in blocks
 // whose float32 copy stays in L2 while the thread's units pass over them.
 //
 // linear_bf16_silu_mul writes silu(gate) * up: [M, N / 2] (packed groups hold 32 gate columns then
@@ -35,6 +39,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #if !(defined(__AVX2__) && defined(__FMA__))
@@ -168,20 +173,31 @@ inline void unit_tile_wide(const float* x, int64_t ldx, const float* wf, int64_t
   store_tile<kRows, kSiluMul>(acc, u, bias, y, ldy);
 }
 
+// tile(r, std::integral_constant<int, R>{}) over rows [0, m): tiles of kTile rows, then one of the
+// R < kTile rows left, if any.
+template <int R, class F>
+inline void last_tile(int64_t r, int64_t left, F& tile) {
+  if constexpr (R > 0) {
+    if (left == R)
+      tile(r, std::integral_constant<int, R>{});
+    else
+      last_tile<R - 1>(r, left, tile);
+  }
+}
+
+template <int kTile, class F>
+inline void for_row_tiles(int64_t m, F&& tile) {
+  int64_t r = 0;
+  for (; r + kTile <= m; r += kTile) tile(r, std::integral_constant<int, kTile>{});
+  last_tile<kTile - 1>(r, m - r, tile);
+}
+
 template <bool kSiluMul>
 void run_unit(const float* x, int64_t m, int64_t ldx, const bf16* wg, int64_t k_pairs, const Unit& u,
               const float* bias, bf16* y, int64_t ldy) {
-  int64_t r = 0;
-  for (; r + kRowTile <= m; r += kRowTile)
-    unit_tile<kRowTile, kSiluMul>(x + r * ldx, ldx, wg, k_pairs, u, bias, y + r * ldy, ldy);
-  const float* xr = x + r * ldx;
-  bf16* yr = y + r * ldy;
-  switch (m - r) {
-    case 0: break;
-    case 1: unit_tile<1, kSiluMul>(xr, ldx, wg, k_pairs, u, bias, yr, ldy); break;
-    case 2: unit_tile<2, kSiluMul>(xr, ldx, wg, k_pairs, u, bias, yr, ldy); break;
-    default: unit_tile<3, kSiluMul>(xr, ldx, wg, k_pairs, u, bias, yr, ldy); break;
-  }
+  for_row_tiles<kRowTile>(m, [&](int64_t r, auto rows) {
+    unit_tile<decltype(rows)::value, kSiluMul>(x + r * ldx, ldx, wg, k_pairs, u, bias, y + r * ldy, ldy);
+  });
 }
 
 // run_unit with the unit's weights widened first (wf: K * 16 floats, 32-byte aligned).
@@ -190,19 +206,9 @@ void run_unit_wide(const float* x, int64_t m, int64_t ldx, const bf16* wg, int64
                    const float* bias, bf16* y, int64_t ldy, float* wf) {
   const int64_t k = 2 * k_pairs;
   widen_unit(wg, 16 * u.vecs, k_pairs, u.voff, wf);
-  int64_t r = 0;
-  for (; r + kWideRows <= m; r += kWideRows)
-    unit_tile_wide<kWideRows, kSiluMul>(x + r * ldx, ldx, wf, k, u, bias, y + r * ldy, ldy);
-  const float* xr = x + r * ldx;
-  bf16* yr = y + r * ldy;
-  switch (m - r) {
-    case 0: break;
-    case 1: unit_tile_wide<1, kSiluMul>(xr, ldx, wf, k, u, bias, yr, ldy); break;
-    case 2: unit_tile_wide<2, kSiluMul>(xr, ldx, wf, k, u, bias, yr, ldy); break;
-    case 3: unit_tile_wide<3, kSiluMul>(xr, ldx, wf, k, u, bias, yr, ldy); break;
-    case 4: unit_tile_wide<4, kSiluMul>(xr, ldx, wf, k, u, bias, yr, ldy); break;
-    default: unit_tile_wide<5, kSiluMul>(xr, ldx, wf, k, u, bias, yr, ldy); break;
-  }
+  for_row_tiles<kWideRows>(m, [&](int64_t r, auto rows) {
+    unit_tile_wide<decltype(rows)::value, kSiluMul>(x + r * ldx, ldx, wf, k, u, bias, y + r * ldy, ldy);
+  });
 }
 
 // The units of an N-column weight: plain, per group its vector pairs (0, 1), (2, 3), ...;
