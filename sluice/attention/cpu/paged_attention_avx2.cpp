@@ -197,18 +197,29 @@ struct ItemRunner {
   // softmax step: new maxima m, rescale factors alpha, denominators l, probabilities p.
   template <int N>
   void scores_softmax(int rb, int32_t start, int n) {
-    __m256 a[N][kTiles];
+    // The sums in a local array that nothing else sees, copied out after the loop: an array whose
+    // address reaches softmax() stays in memory (__m256 may alias float), and GCC then stored all
+    // eight accumulators to the stack after every d (~2x slower prefill and verification).
+    __m256 s[N][kTiles];
+#pragma GCC unroll 8
     for (int i = 0; i < N; ++i)
-      for (int t = 0; t < kTiles; ++t) a[i][t] = _mm256_setzero_ps();
+#pragma GCC unroll 8
+      for (int t = 0; t < kTiles; ++t) s[i][t] = _mm256_setzero_ps();
 #pragma GCC unroll 4
     for (int d = 0; d < D; ++d) {
       __m256 k[kTiles];
+#pragma GCC unroll 8
       for (int t = 0; t < kTiles; ++t) k[t] = _mm256_load_ps(kt[d] + 8 * t);
+#pragma GCC unroll 8
       for (int i = 0; i < N; ++i) {
         const __m256 qv = _mm256_broadcast_ss(q[rb + i] + d);
-        for (int t = 0; t < kTiles; ++t) a[i][t] = _mm256_fmadd_ps(k[t], qv, a[i][t]);
+#pragma GCC unroll 8
+        for (int t = 0; t < kTiles; ++t) s[i][t] = _mm256_fmadd_ps(k[t], qv, s[i][t]);
       }
     }
+    __m256 a[N][kTiles];
+    for (int i = 0; i < N; ++i)
+      for (int t = 0; t < kTiles; ++t) a[i][t] = s[i][t];
     softmax<N>(rb, start, n, a);
   }
 
