@@ -8,6 +8,7 @@ measures what the server and the client cost; its step trace shows what the engi
     .venv/bin/python benchmarks/engine_replay.py [--workflows 32] [--concurrency 32]
         [--max-num-batched-tokens 512] [--policy workflow] [--backend auto] [--step-trace PATH]
         [--speculative-config '{"method": "ngram"}'] [--kv-cache-tokens 24064] [--admission load]
+        [--phases]
 """
 from __future__ import annotations
 
@@ -43,6 +44,8 @@ def main() -> None:
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--step-trace", default=None)
     ap.add_argument("--speculative-config", default=None, help="as `sluice serve`'s flag")
+    ap.add_argument("--phases", action="store_true",
+                    help="time the model's forward, the LM head and the sampler apart and print the split")
     args = ap.parse_args()
 
     path = resolve_model_path(args.model)
@@ -57,6 +60,7 @@ def main() -> None:
         attention_backend=args.backend, step_trace_path=args.step_trace,
         speculative=parse_speculative_config(args.speculative_config)))
     tok = eng.tokenizer
+    phases = _time_phases(eng) if args.phases else None
     cfg = WorkloadConfig()
     target = RequestTarget(model="replay", run_id="replay")
 
@@ -137,7 +141,38 @@ def main() -> None:
         print(f"speculation: {st.spec_draft_tokens_total} draft tokens in {st.spec_drafts_total} verifications, "
               f"{st.spec_accepted_tokens_total / st.spec_draft_tokens_total:.0%} accepted, "
               f"{st.spec_accepted_tokens_total / st.spec_drafts_total:.2f} accepted per verification")
+    if phases is not None:
+        for name, (secs, calls, rows) in phases.items():
+            print(f"{name}: {secs:.1f} s of {wall:.1f} ({secs / wall:.0%}), {calls} calls, "
+                  f"{secs / max(1, calls) * 1e3:.1f} ms/call" + (f", {rows} rows" if rows else ""))
     print(Path(args.step_trace).resolve() if args.step_trace else "")
+
+
+def _time_phases(eng: LLMEngine) -> dict[str, list]:
+    """Wrap the engine's model forward, LM head and sampler with timers: name -> [seconds, calls,
+    rows] (rows: tokens through the forward, hidden rows through the LM head)."""
+    acc: dict[str, list] = {}
+
+    def timed(name: str, fn, rows_of=None):
+        acc[name] = [0.0, 0, 0]
+
+        def wrapper(*a, **kw):
+            t = time.perf_counter()
+            out = fn(*a, **kw)
+            rec = acc[name]
+            rec[0] += time.perf_counter() - t
+            rec[1] += 1
+            rec[2] += rows_of(*a) if rows_of else 0
+            return out
+        return wrapper
+
+    runner = eng.runner
+    model = runner.model
+    model.forward = timed("forward", model.forward, lambda ids, *_: ids.shape[0])
+    model.compute_logits = timed("lm head", model.compute_logits, lambda h: h.shape[0])
+    runner.sampler = timed("sampler", runner.sampler)
+    eng.step = timed("engine step", eng.step)
+    return acc
 
 
 if __name__ == "__main__":
