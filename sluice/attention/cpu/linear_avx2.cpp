@@ -59,20 +59,24 @@ constexpr int kRowBlock = 96;   // rows whose float32 copy a thread's units pass
 constexpr int kWideRows = 6;     // rows per micro-kernel call on widened weights: 6 x 2 accumulators
 constexpr int64_t kWideMinRows = 8;  // from this many rows a unit's weights are widened once per row block
 
+// A packed k-pair vector (lane j: W[n_j][k], W[n_j][k + 1]) as two float32 vectors: k and k + 1.
+inline void split_pair(__m256i v, __m256& even, __m256& odd) {
+  even = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+  odd = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+
 // acc[r][c] = sum over k of x[r][k] * W[column vector voff[c]][k], for a group whose k pairs are
 // `stride` bf16 apart (2 x its width).
 template <int kRows>
 inline void dot_tile(const float* x, int64_t ldx, const bf16* w, int64_t stride, int64_t k_pairs, const int (&voff)[2],
                      __m256 (&acc)[kRows][2]) {
   for (int r = 0; r < kRows; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-  const __m256i hi = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
   const bf16* w0 = w + 16 * voff[0];
   const bf16* w1 = w + 16 * voff[1];
   for (int64_t p = 0; p < k_pairs; ++p) {
-    const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w0 + p * stride));
-    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w1 + p * stride));
-    const __m256 ae = _mm256_castsi256_ps(_mm256_slli_epi32(a, 16)), ao = _mm256_castsi256_ps(_mm256_and_si256(a, hi));
-    const __m256 be = _mm256_castsi256_ps(_mm256_slli_epi32(b, 16)), bo = _mm256_castsi256_ps(_mm256_and_si256(b, hi));
+    __m256 ae, ao, be, bo;
+    split_pair(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w0 + p * stride)), ae, ao);
+    split_pair(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w1 + p * stride)), be, bo);
     for (int r = 0; r < kRows; ++r) {
       const __m256 xe = _mm256_broadcast_ss(x + r * ldx + 2 * p);
       const __m256 xo = _mm256_broadcast_ss(x + r * ldx + 2 * p + 1);
@@ -87,17 +91,17 @@ inline void dot_tile(const float* x, int64_t ldx, const bf16* w, int64_t stride,
 // A unit's 16 columns widened to float32, [K][16]: row k holds W[col][k] of the unit's two column
 // vectors. Written once per unit and row block, then read by every row tile of the block.
 inline void widen_unit(const bf16* w, int64_t stride, int64_t k_pairs, const int (&voff)[2], float* wf) {
-  const __m256i hi = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
   const bf16* w0 = w + 16 * voff[0];
   const bf16* w1 = w + 16 * voff[1];
   for (int64_t p = 0; p < k_pairs; ++p) {
-    const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w0 + p * stride));
-    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w1 + p * stride));
-    float* row = wf + 32 * p;
-    _mm256_store_ps(row, _mm256_castsi256_ps(_mm256_slli_epi32(a, 16)));
-    _mm256_store_ps(row + 8, _mm256_castsi256_ps(_mm256_slli_epi32(b, 16)));
-    _mm256_store_ps(row + 16, _mm256_castsi256_ps(_mm256_and_si256(a, hi)));
-    _mm256_store_ps(row + 24, _mm256_castsi256_ps(_mm256_and_si256(b, hi)));
+    __m256 ae, ao, be, bo;
+    split_pair(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w0 + p * stride)), ae, ao);
+    split_pair(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w1 + p * stride)), be, bo);
+    float* row = wf + 32 * p;  // k = 2p: columns 0-7, 8-15; then k = 2p + 1
+    _mm256_store_ps(row, ae);
+    _mm256_store_ps(row + 8, be);
+    _mm256_store_ps(row + 16, ao);
+    _mm256_store_ps(row + 24, bo);
   }
 }
 
@@ -139,7 +143,7 @@ struct Unit {
   int64_t out;     // first output column of the unit
 };
 
-// Rows [r0, r0 + kRows) of one unit: plain projection (+ bias) or fused silu(gate) * up.
+// Rows [0, kRows) of one unit from their sums: plain projection (+ bias) or fused silu(gate) * up.
 template <int kRows, bool kSiluMul>
 inline void store_tile(__m256 (&acc)[kRows][2], const Unit& u, const float* bias, bf16* y, int64_t ldy) {
   for (int r = 0; r < kRows; ++r) {
@@ -155,22 +159,6 @@ inline void store_tile(__m256 (&acc)[kRows][2], const Unit& u, const float* bias
       store8_bf16(y + r * ldy + u.out + 8, b);
     }
   }
-}
-
-template <int kRows, bool kSiluMul>
-inline void unit_tile(const float* x, int64_t ldx, const bf16* wg, int64_t k_pairs, const Unit& u, const float* bias,
-                      bf16* y, int64_t ldy) {
-  __m256 acc[kRows][2];
-  dot_tile<kRows>(x, ldx, wg, 16 * u.vecs, k_pairs, u.voff, acc);
-  store_tile<kRows, kSiluMul>(acc, u, bias, y, ldy);
-}
-
-template <int kRows, bool kSiluMul>
-inline void unit_tile_wide(const float* x, int64_t ldx, const float* wf, int64_t k, const Unit& u, const float* bias,
-                           bf16* y, int64_t ldy) {
-  __m256 acc[kRows][2];
-  dot_tile_wide<kRows>(x, ldx, wf, k, acc);
-  store_tile<kRows, kSiluMul>(acc, u, bias, y, ldy);
 }
 
 // tile(r, std::integral_constant<int, R>{}) over rows [0, m): tiles of kTile rows, then one of the
@@ -196,7 +184,10 @@ template <bool kSiluMul>
 void run_unit(const float* x, int64_t m, int64_t ldx, const bf16* wg, int64_t k_pairs, const Unit& u,
               const float* bias, bf16* y, int64_t ldy) {
   for_row_tiles<kRowTile>(m, [&](int64_t r, auto rows) {
-    unit_tile<decltype(rows)::value, kSiluMul>(x + r * ldx, ldx, wg, k_pairs, u, bias, y + r * ldy, ldy);
+    constexpr int R = decltype(rows)::value;
+    __m256 acc[R][2];
+    dot_tile<R>(x + r * ldx, ldx, wg, 16 * u.vecs, k_pairs, u.voff, acc);
+    store_tile<R, kSiluMul>(acc, u, bias, y + r * ldy, ldy);
   });
 }
 
@@ -207,7 +198,10 @@ void run_unit_wide(const float* x, int64_t m, int64_t ldx, const bf16* wg, int64
   const int64_t k = 2 * k_pairs;
   widen_unit(wg, 16 * u.vecs, k_pairs, u.voff, wf);
   for_row_tiles<kWideRows>(m, [&](int64_t r, auto rows) {
-    unit_tile_wide<decltype(rows)::value, kSiluMul>(x + r * ldx, ldx, wf, k, u, bias, y + r * ldy, ldy);
+    constexpr int R = decltype(rows)::value;
+    __m256 acc[R][2];
+    dot_tile_wide<R>(x + r * ldx, ldx, wf, k, acc);
+    store_tile<R, kSiluMul>(acc, u, bias, y + r * ldy, ldy);
   });
 }
 
