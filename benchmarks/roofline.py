@@ -1,12 +1,16 @@
 """The roofline for SmolLM2-135M on this machine, derived from measured kernels.
 
 Measures, on this machine's threads:
+- the FMA peak: benchmarks/fma_peak.c (12 independent vector FMA chains per thread, no memory
+  traffic), built with gcc -march=native; the hardware roofline counts every GEMM FLOP at it;
 - bf16 GEMM time over the model's own weight shapes at 1..512 rows, for oneDNN (torch) and for
   sluice's packed kernel (when it builds here); the roofline takes the faster of the two;
 - memory read bandwidth (a multi-threaded sum over 1 GiB: attention reads K/V this way);
 - paged attention of a prefill chunk over a long prefix (the compiled kernel's FLOP rate; the
   torch reference's when the kernel is unavailable);
 and derives:
+- the hardware decode step at batch B and context C: every GEMM FLOP (LM head included) at the FMA
+  peak + each sequence's K/V read once at the measured bandwidth (the bound no kernel can beat);
 - the ideal decode step at batch B and context C: GEMMs for B rows + LM head + reading each
   sequence's K/V once at the measured bandwidth;
 - the ideal prefill cost per token: GEMMs at the 512-row rate plus the attention FLOPs of a chunk
@@ -21,7 +25,11 @@ and derives:
 from __future__ import annotations
 
 import argparse
+import os
+import subprocess
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
@@ -82,6 +90,23 @@ def read_bandwidth() -> float:
     return 4 * a.numel() / bench(lambda: a.sum(), 5)
 
 
+def fma_peak(threads: int) -> dict[str, float]:
+    """FLOP/s of this CPU's FMA units on `threads` threads, from benchmarks/fma_peak.c: {"fp32": ...}
+    with the widest float vectors the compiler targets here, plus "bf16dot" where the CPU has
+    AVX-512 BF16. Empty where gcc or the build is missing."""
+    src = Path(__file__).with_name("fma_peak.c")
+    with tempfile.TemporaryDirectory() as d:
+        exe = os.path.join(d, "fma_peak")
+        try:
+            subprocess.run(["gcc", "-O2", "-march=native", "-fopenmp", str(src), "-o", exe], check=True,
+                           capture_output=True)
+            out = subprocess.run([exe], check=True, capture_output=True, text=True,
+                                 env={**os.environ, "OMP_NUM_THREADS": str(threads)}).stdout
+        except (OSError, subprocess.CalledProcessError):
+            return {}
+    return {kind: float(v) * 1e9 for kind, v in (line.split() for line in out.splitlines() if line.strip())}
+
+
 def prefill_attention_rate(chunk: int, context: int) -> tuple[float, str]:
     """FLOP/s of paged attention for one `chunk`-token prefill over `context` cached tokens."""
     from sluice.attention import create_backend
@@ -118,6 +143,8 @@ def main() -> None:
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}")
     bw = read_bandwidth()
     print(f"read bandwidth: {bw / 1e9:.1f} GB/s")
+    peaks = fma_peak(torch.get_num_threads())
+    print("FMA peak: " + (", ".join(f"{k} {v / 1e9:.0f} GFLOP/s" for k, v in peaks.items()) or "not measured (no gcc)"))
     kernel = packed_kernel()
     print(f"{'rows':>5} {'oneDNN ms':>9} {'GFLOP/s':>8} {'packed ms':>9} {'GFLOP/s':>8} {'LM head ms':>10}")
     best = {}
@@ -134,8 +161,15 @@ def main() -> None:
     t_gemm, t_head = best[b]
     kv_bytes = b * c * LAYERS * 2 * KV_HEADS * HEAD_DIM * 2
     t_kv = kv_bytes / bw
+    if peaks:
+        # The fastest way this CPU has to do the GEMMs' FLOPs: bf16 dot products where it has them.
+        peak = max(peaks.values())
+        t_fl = (flops(b) + 2 * b * HIDDEN * VOCAB) / peak
+        print(f"\nhardware decode step, batch {b}, context {c}: {(t_fl + t_kv) * 1e3:.1f} ms "
+              f"(GEMM + LM head {t_fl * 1e3:.1f} at {peak / 1e9:.0f} GFLOP/s + K/V read {t_kv * 1e3:.1f})")
     step = t_gemm + t_head + t_kv
-    print(f"\nideal decode step, batch {b}, context {c}: {step * 1e3:.1f} ms "
+    print(("" if peaks else "\n") + f"ideal decode step (GEMMs at the best measured kernel rate), batch {b}, "
+          f"context {c}: {step * 1e3:.1f} ms "
           f"(GEMM {t_gemm * 1e3:.1f} + LM head {t_head * 1e3:.1f} + K/V read {t_kv * 1e3:.1f}) "
           f"-> {b / step:.0f} tok/s, {1 / step:.1f} tok/s per sequence")
 
