@@ -8,10 +8,11 @@
 // multiplied by scale * log2 e when loaded). Per chunk and kv head:
 //   K: the chunk's 32 key rows widened to float32 and transposed in 8x8 blocks, so that one
 //      vector holds one head-dim element of 8 keys: a score vector is 8 keys of one row, with no
-//      horizontal sums; 2 rows x 4 key tiles are 8 independent FMA chains.
+//      horizontal sums; 3 rows (a GQA group's query heads) x 4 key tiles are 12 independent
+//      FMA chains.
 //   Softmax: per row, the chunk's maximum, the factor alpha that rescales what the row has
 //      accumulated, the probabilities (exp2 by polynomial) and the denominator.
-//   V: the chunk's value rows widened to float32; 2 rows x 4 vectors of the head dim accumulate
+//   V: the chunk's value rows widened to float32; 3 rows x 4 vectors of the head dim accumulate
 //      p_j v_j over the chunk's keys.
 // Nothing is rounded to bfloat16 but the output. A row's result does not depend on the item it is
 // in or the rows beside it (every row's sums run in the same order), so a decode and the same
@@ -120,13 +121,17 @@ struct ItemRunner {
       for (int hh = 0; hh < heads; ++hh) {
         const int r0 = hh * per_head, r1 = r0 + per_head;
         load_k(hh, n);
+        // Rows three at a time (a decode's GQA group of 3 query heads in one pass over the
+        // chunk), then 2 or 1; every row's sums run in the same order whatever its neighbours.
         int r = r0;
-        for (; r + 2 <= r1; r += 2) scores_softmax<2>(r, start, n);
-        if (r < r1) scores_softmax<1>(r, start, n);
+        for (; r + 3 <= r1; r += 3) scores_softmax<3>(r, start, n);
+        if (r + 2 == r1) scores_softmax<2>(r, start, n);
+        else if (r < r1) scores_softmax<1>(r, start, n);
         load_v(hh, n);
         r = r0;
-        for (; r + 2 <= r1; r += 2) accumulate<2>(r, n);
-        if (r < r1) accumulate<1>(r, n);
+        for (; r + 3 <= r1; r += 3) accumulate<3>(r, n);
+        if (r + 2 == r1) accumulate<2>(r, n);
+        else if (r < r1) accumulate<1>(r, n);
       }
     }
     for (int r = 0; r < rows; ++r) {
@@ -205,16 +210,18 @@ struct ItemRunner {
     for (int i = 0; i < N; ++i)
 #pragma GCC unroll 8
       for (int t = 0; t < kTiles; ++t) s[i][t] = _mm256_setzero_ps();
+    // Per d: the N rows' query elements broadcast once, then one key tile at a time against them
+    // (N x 4 sums + N broadcasts + 1 key vector: 16 registers at N = 3, a GQA group's heads).
 #pragma GCC unroll 4
     for (int d = 0; d < D; ++d) {
-      __m256 k[kTiles];
+      __m256 qv[N];
 #pragma GCC unroll 8
-      for (int t = 0; t < kTiles; ++t) k[t] = _mm256_load_ps(kt[d] + 8 * t);
+      for (int i = 0; i < N; ++i) qv[i] = _mm256_broadcast_ss(q[rb + i] + d);
 #pragma GCC unroll 8
-      for (int i = 0; i < N; ++i) {
-        const __m256 qv = _mm256_broadcast_ss(q[rb + i] + d);
+      for (int t = 0; t < kTiles; ++t) {
+        const __m256 k = _mm256_load_ps(kt[d] + 8 * t);
 #pragma GCC unroll 8
-        for (int t = 0; t < kTiles; ++t) s[i][t] = _mm256_fmadd_ps(k[t], qv, s[i][t]);
+        for (int i = 0; i < N; ++i) s[i][t] = _mm256_fmadd_ps(k, qv[i], s[i][t]);
       }
     }
     __m256 a[N][kTiles];
@@ -267,11 +274,12 @@ struct ItemRunner {
         for (int c = 0; c < 4; ++c) a[i][c] = _mm256_mul_ps(_mm256_load_ps(acc[rb + i] + d0 + 8 * c), s);
       }
       for (int j = 0; j < n; ++j) {
-        __m256 vv[4];
-        for (int c = 0; c < 4; ++c) vv[c] = _mm256_load_ps(v[j] + d0 + 8 * c);
-        for (int i = 0; i < N; ++i) {
-          const __m256 pj = _mm256_broadcast_ss(p[rb + i] + j);
-          for (int c = 0; c < 4; ++c) a[i][c] = _mm256_fmadd_ps(pj, vv[c], a[i][c]);
+        // As in scores_softmax: N broadcasts, then one value vector at a time.
+        __m256 pj[N];
+        for (int i = 0; i < N; ++i) pj[i] = _mm256_broadcast_ss(p[rb + i] + j);
+        for (int c = 0; c < 4; ++c) {
+          const __m256 vv = _mm256_load_ps(v[j] + d0 + 8 * c);
+          for (int i = 0; i < N; ++i) a[i][c] = _mm256_fmadd_ps(pj[i], vv, a[i][c]);
         }
       }
       for (int i = 0; i < N; ++i)
