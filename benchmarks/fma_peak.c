@@ -31,13 +31,13 @@ static float hsum(vec v) {
 #error "needs AVX2 + FMA or AVX-512"
 #endif
 
-static double fp32_run(long iters, float a, float b, float *sink) {
+static double fp32_run(long iters, float *sink) {
   double t0 = omp_get_wtime();
   float total = 0;
 #pragma omp parallel reduction(+ : total)
   {
     vec c[CHAINS];
-    const vec va = SET1(a), vb = SET1(b);
+    const vec va = SET1(0.999999f), vb = SET1(1e-7f);  /* chains stay finite */
     for (int i = 0; i < CHAINS; ++i) c[i] = SET1((float)i);
     for (long it = 0; it < iters; ++it) {
 #pragma GCC unroll 12
@@ -75,7 +75,7 @@ int main(int argc, char **argv) {
   float sink = 0;
   double best = 1e30;
   for (int rep = 0; rep < 3; ++rep) {
-    const double t = fp32_run(iters, argc > 2 ? 1.0f : 0.999999f, 1e-7f, &sink);
+    const double t = fp32_run(iters, &sink);
     if (t < best) best = t;
   }
   printf("fp32 %.1f\n", 2.0 * CHAINS * LANES * (double)iters * threads / best / 1e9);

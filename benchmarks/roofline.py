@@ -161,14 +161,15 @@ def main() -> None:
     t_gemm, t_head = best[b]
     kv_bytes = b * c * LAYERS * 2 * KV_HEADS * HEAD_DIM * 2
     t_kv = kv_bytes / bw
+    print()
     if peaks:
         # The fastest way this CPU has to do the GEMMs' FLOPs: bf16 dot products where it has them.
         peak = max(peaks.values())
         t_fl = (flops(b) + 2 * b * HIDDEN * VOCAB) / peak
-        print(f"\nhardware decode step, batch {b}, context {c}: {(t_fl + t_kv) * 1e3:.1f} ms "
+        print(f"hardware decode step, batch {b}, context {c}: {(t_fl + t_kv) * 1e3:.1f} ms "
               f"(GEMM + LM head {t_fl * 1e3:.1f} at {peak / 1e9:.0f} GFLOP/s + K/V read {t_kv * 1e3:.1f})")
     step = t_gemm + t_head + t_kv
-    print(("" if peaks else "\n") + f"ideal decode step (GEMMs at the best measured kernel rate), batch {b}, "
+    print(f"ideal decode step (GEMMs at the best measured kernel rate), batch {b}, "
           f"context {c}: {step * 1e3:.1f} ms "
           f"(GEMM {t_gemm * 1e3:.1f} + LM head {t_head * 1e3:.1f} + K/V read {t_kv * 1e3:.1f}) "
           f"-> {b / step:.0f} tok/s, {1 / step:.1f} tok/s per sequence")

@@ -50,6 +50,7 @@ namespace {
 
 using sluice_simd::bf16;
 using sluice_simd::exp2_ps;
+using sluice_simd::for_row_tiles;
 using sluice_simd::round_bf16;
 using sluice_simd::store8_bf16;
 
@@ -182,25 +183,6 @@ inline void store_tile(__m256 (&acc)[kRows][2], const Unit& u, const float* bias
       store8_bf16(y + r * ldy + u.out + 8, b);
     }
   }
-}
-
-// tile(r, std::integral_constant<int, R>{}) over rows [0, m): tiles of kTile rows, then one of the
-// R < kTile rows left, if any.
-template <int R, class F>
-inline void last_tile(int64_t r, int64_t left, F& tile) {
-  if constexpr (R > 0) {
-    if (left == R)
-      tile(r, std::integral_constant<int, R>{});
-    else
-      last_tile<R - 1>(r, left, tile);
-  }
-}
-
-template <int kTile, class F>
-inline void for_row_tiles(int64_t m, F&& tile) {
-  int64_t r = 0;
-  for (; r + kTile <= m; r += kTile) tile(r, std::integral_constant<int, kTile>{});
-  last_tile<kTile - 1>(r, m - r, tile);
 }
 
 template <bool kSiluMul>

@@ -45,6 +45,7 @@ using sluice_attention::kMaxRows;
 using sluice_attention::Problem;
 using sluice_attention::WorkItem;
 using sluice_simd::bf16;
+using sluice_simd::for_row_tiles;
 
 constexpr int kChunk = 32;  // keys per online-softmax step: four 8-key score vectors
 constexpr int kTiles = kChunk / 8;
@@ -119,19 +120,17 @@ struct ItemRunner {
       plan_prefetch(pb, table, start + kChunk, std::min<int32_t>(kChunk, num_keys - start - kChunk), k_cache, v_cache,
                     it.kv_begin, heads, n);
       for (int hh = 0; hh < heads; ++hh) {
-        const int r0 = hh * per_head, r1 = r0 + per_head;
+        const int r0 = hh * per_head;
         load_k(hh, n);
         // Rows three at a time (a decode's GQA group of 3 query heads in one pass over the
         // chunk), then 2 or 1; every row's sums run in the same order whatever its neighbours.
-        int r = r0;
-        for (; r + 3 <= r1; r += 3) scores_softmax<3>(r, start, n);
-        if (r + 2 == r1) scores_softmax<2>(r, start, n);
-        else if (r < r1) scores_softmax<1>(r, start, n);
+        for_row_tiles<3>(per_head, [&](int64_t i, auto tile) {
+          scores_softmax<decltype(tile)::value>(r0 + static_cast<int>(i), start, n);
+        });
         load_v(hh, n);
-        r = r0;
-        for (; r + 3 <= r1; r += 3) accumulate<3>(r, n);
-        if (r + 2 == r1) accumulate<2>(r, n);
-        else if (r < r1) accumulate<1>(r, n);
+        for_row_tiles<3>(per_head, [&](int64_t i, auto tile) {
+          accumulate<decltype(tile)::value>(r0 + static_cast<int>(i), n);
+        });
       }
     }
     for (int r = 0; r < rows; ++r) {
