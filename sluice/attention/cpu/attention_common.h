@@ -59,6 +59,72 @@ inline void for_block_runs(const Problem& pb, const int32_t* table, int32_t star
   }
 }
 
+// The next chunk's K/V cache lines, fetched into L2 a few at a time from the compute loops of the
+// current chunk (tick) so that memory is read while a chunk is computed. Issued in one burst, the
+// prefetches stall on the core's limit of outstanding misses much as loads would; issued only
+// between the compute loops, memory idles while they run (the AVX2 kernel did that until session
+// 23: a decode's loads and its compute then took the sum of their times, not the larger).
+class ChunkPrefetcher {
+ public:
+  // Plans keys [start, start + n) (nothing when n <= 0): `bytes` of each slot from k_cache and
+  // v_cache (the item's kv heads: the whole row when it covers them all), spread over `ticks` calls
+  // of tick().
+  template <typename T>
+  void plan(const Problem& pb, const int32_t* table, int32_t start, int n, const T* k_cache, const T* v_cache,
+            int64_t bytes, int ticks) {
+    lines_.clear();
+    next_ = 0;
+    if (n <= 0) return;
+    const int64_t row_bytes = pb.cache_row * sizeof(T);
+    for_block_runs(pb, table, start, n, [&](int, int run, int64_t slot) {
+      const char* k = reinterpret_cast<const char*>(k_cache + slot * pb.cache_row);
+      const char* v = reinterpret_cast<const char*>(v_cache + slot * pb.cache_row);
+      for (int i = 0; i < run; ++i)
+        for (int64_t o = i * row_bytes; o < i * row_bytes + bytes; o += 64) {
+          lines_.push_back(k + o);
+          lines_.push_back(v + o);
+        }
+    });
+    per_tick_ = static_cast<int>((static_cast<int64_t>(lines_.size()) + ticks - 1) / std::max(ticks, 1));
+  }
+
+  // locality 2: prefetcht1, into L2 (the current chunk's lines and the kernels' buffers keep L1)
+  void tick() {
+    for (int i = 0; i < per_tick_ && next_ < lines_.size(); ++i) __builtin_prefetch(lines_[next_++], 0, 2);
+  }
+
+  void rest() {
+    while (next_ < lines_.size()) __builtin_prefetch(lines_[next_++], 0, 2);
+  }
+
+ private:
+  std::vector<const char*> lines_;  // K and V lines alternately
+  size_t next_ = 0;
+  int per_tick_ = 1;
+};
+
+// Reads the cache rows of keys [start, start + n) once, in address order, one load per line. The
+// compute passes then find them in L1/L2; they read each head's slice of a row separately (a
+// strided pattern the hardware prefetchers serve poorly from memory). For an item's first chunk,
+// which no earlier chunk prefetched.
+template <typename T>
+inline void touch_rows(const Problem& pb, const int32_t* table, int32_t start, int n, const T* k_cache,
+                       const T* v_cache) {
+  const int64_t row_bytes = pb.cache_row * sizeof(T);
+  uint64_t x = 0;
+  for_block_runs(pb, table, start, n, [&](int, int run, int64_t slot) {
+    const char* k = reinterpret_cast<const char*>(k_cache + slot * pb.cache_row);
+    const char* v = reinterpret_cast<const char*>(v_cache + slot * pb.cache_row);
+    for (int64_t o = 0; o < run * row_bytes; o += 64) {
+      uint64_t a, c;
+      std::memcpy(&a, k + o, sizeof(a));
+      std::memcpy(&c, v + o, sizeof(c));
+      x |= a | c;
+    }
+  });
+  asm volatile("" : : "r"(x));  // keep the loads
+}
+
 struct Plan {
   std::vector<WorkItem> items;  // most expensive first
   int threads;
