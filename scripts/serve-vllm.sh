@@ -11,7 +11,8 @@
 #   HOST, PORT       where to listen                                 (default 127.0.0.1:8100)
 #   DTYPE            weights and activations; keep it equal to sluice's `--dtype` (default bfloat16)
 #   MODEL_NAME       the name clients send as `model`                (default smollm2-135m)
-#   KV_GIB           VLLM_CPU_KVCACHE_SPACE, KV cache size in GiB    (default 1)
+#   KV_GIB           VLLM_CPU_KVCACHE_SPACE, KV cache size in GiB    (default: 1 for 2-byte dtypes,
+#                    2 for float32: the ~46k tokens that sluice's default 1 GiB of bf16 KV holds)
 #   NUM_BLOCKS       if set, --num-gpu-blocks-override (KV size in blocks of BLOCK_SIZE tokens)
 #   BLOCK_SIZE       KV block size in tokens                         (default 128, vLLM CPU's own)
 #   MAX_MODEL_LEN    --max-model-len                                 (default 8192)
@@ -27,7 +28,11 @@ HOST="${HOST:-127.0.0.1}"
 PORT="${PORT:-8100}"
 DTYPE="${DTYPE:-bfloat16}"
 MODEL_NAME="${MODEL_NAME:-smollm2-135m}"
-KV_GIB="${KV_GIB:-1}"
+if [ "$DTYPE" = "float32" ]; then
+    KV_GIB="${KV_GIB:-2}"   # 4-byte K/V: twice the bytes for the same tokens as bf16
+else
+    KV_GIB="${KV_GIB:-1}"
+fi
 BLOCK_SIZE="${BLOCK_SIZE:-128}"
 MAX_MODEL_LEN="${MAX_MODEL_LEN:-8192}"
 THREADS="${THREADS:-2}"
