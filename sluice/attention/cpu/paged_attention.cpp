@@ -60,12 +60,10 @@ constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 using sluice_simd::bf16;
-using sluice_attention::ChunkPrefetcher;
 using sluice_attention::for_block_runs;
 using sluice_attention::kMaxHeadDim;
 using sluice_attention::kMaxRows;
 using sluice_attention::Problem;
-using sluice_attention::touch_rows;
 using sluice_attention::WorkItem;
 
 alignas(64) const float kZeroRow[kMaxHeadDim] = {};  // stands in for keys past the chunk's end
@@ -346,7 +344,6 @@ struct ItemRunner {
   const T* krows[kChunk];   // the same, at the head being computed; zero rows past the chunk's end
   const T* vrows[kChunk];
   const float score_scale;  // softmax scale * log2(e): scores in base 2
-  ChunkPrefetcher pf;       // the next chunk's K/V lines, from this chunk's compute loops
 
   explicit ItemRunner(float scale) : score_scale(scale * kLog2e) {}
 
@@ -374,14 +371,15 @@ struct ItemRunner {
     const int32_t num_keys = context + it.q_end;  // the last row's causal horizon
     const T* zero = reinterpret_cast<const T*>(kZeroRow);
     const bool whole_rows = heads == pb.num_kv_heads;
-    // calls of pf.tick() per full chunk: scores() per 4-row block, accumulate() per PV block
+    // calls of prefetch_tick() per full chunk: scores() per 4-row block, accumulate() per PV block
     const int ticks = heads * ((per_head + 3) / 4 * O::kScoreSteps +
                                (per_head + O::kPvRows - 1) / O::kPvRows * O::accumulate_steps(kChunk));
     for (int32_t start = 0; start < num_keys; start += kChunk) {
       const int n = std::min<int32_t>(kChunk, num_keys - start);
-      if (whole_rows && start == 0) touch_rows(pb, table, start, n, k_cache, v_cache);
-      pf.plan(pb, table, start + kChunk, std::min<int32_t>(kChunk, num_keys - start - kChunk),
-              k_cache + it.kv_begin * D, v_cache + it.kv_begin * D, heads * D * sizeof(T), ticks);
+      if (whole_rows && start == 0) touch(pb, table, start, n, k_cache, v_cache);
+      if (start + kChunk < num_keys)
+        plan_prefetch(pb, table, start + kChunk, std::min<int32_t>(kChunk, num_keys - start - kChunk),
+                      k_cache + it.kv_begin * D, v_cache + it.kv_begin * D, heads * D * sizeof(T), ticks);
       find_slots(pb, table, start, n, k_cache + it.kv_begin * D, v_cache + it.kv_begin * D);
       for (int j = n; j < kChunk; ++j) krows[j] = vrows[j] = zero;
       for (int hh = 0; hh < heads; ++hh) {
@@ -393,14 +391,66 @@ struct ItemRunner {
         O::load_k(b, krows);
         for_row_blocks<4>(r0, r1, [&]<int N>(int rb) { scores_softmax<N>(rb, start, n); });
         O::load_v(b, vrows, n);
-        O::accumulate(b, vrows, n, r0, r1, alpha, acc, [this] { pf.tick(); });
+        O::accumulate(b, vrows, n, r0, r1, alpha, acc, [this] { prefetch_tick(); });
       }
-      pf.rest();
+      prefetch_rest();
     }
     for (int r = 0; r < rows; ++r) O::store_out(acc[r], 1.0f / _mm512_reduce_add_ps(l[r]), out + out_offset[r]);
   }
 
  private:
+  // Reads the cache rows of keys [start, start + n) once, in address order, with plain loads. The
+  // compute passes then find them in L1/L2. They read each head's slice of a row separately (a
+  // strided pattern the hardware prefetchers serve poorly from memory). Used for an item's first
+  // chunk only: later chunks were prefetched while the one before them was computed.
+  static void touch(const Problem& pb, const int32_t* table, int32_t start, int n, const T* k_cache,
+                    const T* v_cache) {
+    const int64_t row_bytes = pb.cache_row * sizeof(T);
+    __m512i x = _mm512_setzero_si512();
+    for_block_runs(pb, table, start, n, [&](int, int run, int64_t slot) {
+      const char* k = reinterpret_cast<const char*>(k_cache + slot * pb.cache_row);
+      const char* v = reinterpret_cast<const char*>(v_cache + slot * pb.cache_row);
+      for (int64_t o = 0; o < run * row_bytes; o += 64)
+        x = _mm512_or_si512(x, _mm512_or_si512(_mm512_loadu_si512(k + o), _mm512_loadu_si512(v + o)));
+    });
+    asm volatile("" : : "v"(x));  // keep the loads
+  }
+
+  // The next chunk's cache lines, fetched into L2 a few at a time from the compute loops of this
+  // chunk (prefetch_tick) so that memory is read while this chunk is computed; issued in one burst,
+  // the prefetches stall on the core's limit of outstanding misses much as loads would.
+  std::vector<const char*> lines;  // K and V lines alternately
+  size_t next_line = 0;
+  int lines_per_tick = 1;
+
+  // Plans the prefetch of keys [start, start + n): `bytes` of each slot from k_cache / v_cache (the
+  // item's kv heads: the whole row when it covers them all), spread over `ticks` calls of prefetch_tick.
+  void plan_prefetch(const Problem& pb, const int32_t* table, int32_t start, int n, const T* k_cache,
+                     const T* v_cache, int64_t bytes, int ticks) {
+    lines.clear();
+    next_line = 0;
+    const int64_t row_bytes = pb.cache_row * sizeof(T);
+    for_block_runs(pb, table, start, n, [&](int, int run, int64_t slot) {
+      const char* k = reinterpret_cast<const char*>(k_cache + slot * pb.cache_row);
+      const char* v = reinterpret_cast<const char*>(v_cache + slot * pb.cache_row);
+      for (int i = 0; i < run; ++i)
+        for (int64_t o = i * row_bytes; o < i * row_bytes + bytes; o += 64) {
+          lines.push_back(k + o);
+          lines.push_back(v + o);
+        }
+    });
+    lines_per_tick = static_cast<int>((lines.size() + ticks - 1) / ticks);  // ticks >= kScoreSteps
+  }
+
+  void prefetch_tick() {
+    for (int i = 0; i < lines_per_tick && next_line < lines.size(); ++i)
+      _mm_prefetch(lines[next_line++], _MM_HINT_T1);
+  }
+
+  void prefetch_rest() {
+    while (next_line < lines.size()) _mm_prefetch(lines[next_line++], _MM_HINT_T1);
+  }
+
   void find_slots(const Problem& pb, const int32_t* table, int32_t start, int n, const T* k_cache,
                   const T* v_cache) {
     for_block_runs(pb, table, start, n, [&](int j, int run, int64_t slot) {
@@ -418,7 +468,7 @@ struct ItemRunner {
   template <int N>
   void scores_softmax(int rb, int32_t start, int n) {
     __m512 a[N][kTiles];
-    O::template scores<N>(b, rb, a, [this] { pf.tick(); });
+    O::template scores<N>(b, rb, a, [this] { prefetch_tick(); });
     __mmask16 keep[N][kTiles];
     __m512 mx[4];
     for (int i = 0; i < N; ++i) {

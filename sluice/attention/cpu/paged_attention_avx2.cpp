@@ -14,9 +14,6 @@
 //      accumulated, the probabilities (exp2 by polynomial) and the denominator.
 //   V: the chunk's value rows widened to float32; 3 rows x 4 vectors of the head dim accumulate
 //      p_j v_j over the chunk's keys.
-// Memory: while a chunk is computed, the next chunk's K/V lines are prefetched into L2 a few at a
-// time from the scores and PV loops (attention_common.h's ChunkPrefetcher, as in the AVX-512
-// kernel); an item's first chunk is read once in address order first.
 // Nothing is rounded to bfloat16 but the output. A row's result does not depend on the item it is
 // in or the rows beside it (every row's sums run in the same order), so a decode and the same
 // position verified among drafts agree to the bit, as speculative decoding needs.
@@ -42,20 +39,16 @@
 
 namespace {
 
-using sluice_attention::ChunkPrefetcher;
 using sluice_attention::for_block_runs;
 using sluice_attention::kMaxHeadDim;
 using sluice_attention::kMaxRows;
 using sluice_attention::Problem;
-using sluice_attention::touch_rows;
 using sluice_attention::WorkItem;
 using sluice_simd::bf16;
 using sluice_simd::for_row_tiles;
 
 constexpr int kChunk = 32;  // keys per online-softmax step: four 8-key score vectors
 constexpr int kTiles = kChunk / 8;
-constexpr int kTickDims = 4;  // scores_softmax ticks the prefetcher every 4 head-dim elements
-constexpr int kTickKeys = 4;  // accumulate every 4 keys
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
@@ -85,7 +78,12 @@ struct ItemRunner {
   const T* kslots[kChunk];  // the chunk's cache slots at head kv_begin
   const T* vslots[kChunk];
   const float score_scale;  // softmax scale * log2(e): scores in base 2
-  ChunkPrefetcher pf;       // the next chunk's K/V lines, from this chunk's compute loops
+  // The next chunk's K and V rows (one segment per key and cache, K first), prefetched a few
+  // lines at a time between this chunk's loads: a burst of hundreds of prefetches at the chunk's
+  // start stalls on the line-fill buffers, spread out they overlap the compute.
+  const char* pf_seg[2 * kChunk];
+  int pf_count = 0, pf_next = 0, pf_per_tick = 0;
+  int64_t pf_off = 0, pf_bytes = 0;
 
   explicit ItemRunner(float scale) : score_scale(scale * kLog2e) {}
 
@@ -111,20 +109,16 @@ struct ItemRunner {
 
     const int32_t* table = pb.block_tables + it.seq * pb.table_width;
     const int32_t num_keys = context + it.q_end;  // the last row's causal horizon
-    const bool whole_rows = heads == pb.num_kv_heads;
-    // calls of pf.tick() per full chunk: per row tile, scores_softmax's and accumulate's
-    const int ticks = heads * ((per_head + 2) / 3) * (D / kTickDims + D / 32 * (kChunk / kTickKeys));
     for (int32_t start = 0; start < num_keys; start += kChunk) {
       const int n = std::min<int32_t>(kChunk, num_keys - start);
-      if (whole_rows && start == 0) touch_rows(pb, table, start, n, k_cache, v_cache);
-      pf.plan(pb, table, start + kChunk, std::min<int32_t>(kChunk, num_keys - start - kChunk),
-              k_cache + it.kv_begin * D, v_cache + it.kv_begin * D, heads * D * sizeof(T), ticks);
       for_block_runs(pb, table, start, n, [&](int j, int run, int64_t slot) {
         for (int i = 0; i < run; ++i) {
           kslots[j + i] = k_cache + (slot + i) * pb.cache_row + it.kv_begin * D;
           vslots[j + i] = v_cache + (slot + i) * pb.cache_row + it.kv_begin * D;
         }
       });
+      plan_prefetch(pb, table, start + kChunk, std::min<int32_t>(kChunk, num_keys - start - kChunk), k_cache, v_cache,
+                    it.kv_begin, heads, n);
       for (int hh = 0; hh < heads; ++hh) {
         const int r0 = hh * per_head;
         load_k(hh, n);
@@ -138,7 +132,6 @@ struct ItemRunner {
           accumulate<decltype(tile)::value>(r0 + static_cast<int>(i), n);
         });
       }
-      pf.rest();
     }
     for (int r = 0; r < rows; ++r) {
       const __m256 inv = _mm256_set1_ps(1.0f / l[r]);
@@ -147,6 +140,37 @@ struct ItemRunner {
   }
 
  private:
+  // Sets up the prefetch of keys [start, start + n) (none if n <= 0) over the ticks of a chunk of
+  // `cur` keys: one per 8x8 block of K and one per key of V, for every kv head.
+  void plan_prefetch(const Problem& pb, const int32_t* table, int32_t start, int n, const T* k_cache,
+                     const T* v_cache, int kv_begin, int heads, int cur) {
+    pf_count = pf_next = 0;
+    pf_off = 0;
+    if (n <= 0) return;
+    for_block_runs(pb, table, start, n, [&](int j, int run, int64_t slot) {
+      for (int i = 0; i < run; ++i) {
+        pf_seg[j + i] = reinterpret_cast<const char*>(k_cache + (slot + i) * pb.cache_row + kv_begin * D);
+        pf_seg[n + j + i] = reinterpret_cast<const char*>(v_cache + (slot + i) * pb.cache_row + kv_begin * D);
+      }
+    });
+    pf_count = 2 * n;
+    pf_bytes = static_cast<int64_t>(heads) * D * sizeof(T);
+    const int64_t lines = pf_count * ((pf_bytes + 63) / 64);
+    const int64_t ticks = static_cast<int64_t>(heads) * (kTiles * (D / 8) + cur);
+    pf_per_tick = static_cast<int>((lines + ticks - 1) / ticks);
+  }
+
+  inline void prefetch_tick() {
+    for (int i = 0; i < pf_per_tick && pf_next < pf_count; ++i) {
+      _mm_prefetch(pf_seg[pf_next] + pf_off, _MM_HINT_T0);
+      pf_off += 64;
+      if (pf_off >= pf_bytes) {
+        pf_off = 0;
+        ++pf_next;
+      }
+    }
+  }
+
   // kt from the first n keys of the chunk at kv head kv_begin + hh (zeros past n).
   void load_k(int hh, int n) {
     for (int t = 0; t < kTiles; ++t) {
@@ -160,6 +184,7 @@ struct ItemRunner {
         for (int j = 0; j < 8; ++j) r[j] = load8(src[j] + d);
         sluice_simd::transpose8x8(r);
         for (int i = 0; i < 8; ++i) _mm256_store_ps(kt[d + i] + 8 * t, r[i]);
+        prefetch_tick();
       }
     }
   }
@@ -168,6 +193,7 @@ struct ItemRunner {
     for (int j = 0; j < n; ++j) {
       const T* src = vslots[j] + hh * D;
       for (int d = 0; d < D; d += 8) _mm256_store_ps(v[j] + d, load8(src + d));
+      prefetch_tick();
     }
   }
 
@@ -185,19 +211,16 @@ struct ItemRunner {
       for (int t = 0; t < kTiles; ++t) s[i][t] = _mm256_setzero_ps();
     // Per d: the N rows' query elements broadcast once, then one key tile at a time against them
     // (N x 4 sums + N broadcasts + 1 key vector: 16 registers at N = 3, a GQA group's heads).
-    for (int d0 = 0; d0 < D; d0 += kTickDims) {
-      pf.tick();
+#pragma GCC unroll 4
+    for (int d = 0; d < D; ++d) {
+      __m256 qv[N];
 #pragma GCC unroll 8
-      for (int d = d0; d < d0 + kTickDims; ++d) {
-        __m256 qv[N];
+      for (int i = 0; i < N; ++i) qv[i] = _mm256_broadcast_ss(q[rb + i] + d);
 #pragma GCC unroll 8
-        for (int i = 0; i < N; ++i) qv[i] = _mm256_broadcast_ss(q[rb + i] + d);
+      for (int t = 0; t < kTiles; ++t) {
+        const __m256 k = _mm256_load_ps(kt[d] + 8 * t);
 #pragma GCC unroll 8
-        for (int t = 0; t < kTiles; ++t) {
-          const __m256 k = _mm256_load_ps(kt[d] + 8 * t);
-#pragma GCC unroll 8
-          for (int i = 0; i < N; ++i) s[i][t] = _mm256_fmadd_ps(k, qv[i], s[i][t]);
-        }
+        for (int i = 0; i < N; ++i) s[i][t] = _mm256_fmadd_ps(k, qv[i], s[i][t]);
       }
     }
     __m256 a[N][kTiles];
@@ -250,7 +273,6 @@ struct ItemRunner {
         for (int c = 0; c < 4; ++c) a[i][c] = _mm256_mul_ps(_mm256_load_ps(acc[rb + i] + d0 + 8 * c), s);
       }
       for (int j = 0; j < n; ++j) {
-        if (j % kTickKeys == 0) pf.tick();
         // As in scores_softmax: N broadcasts, then one value vector at a time.
         __m256 pj[N];
         for (int i = 0; i < N; ++i) pj[i] = _mm256_broadcast_ss(p[rb + i] + j);
