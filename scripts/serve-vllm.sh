@@ -28,11 +28,10 @@ HOST="${HOST:-127.0.0.1}"
 PORT="${PORT:-8100}"
 DTYPE="${DTYPE:-bfloat16}"
 MODEL_NAME="${MODEL_NAME:-smollm2-135m}"
-if [ "$DTYPE" = "float32" ]; then
-    KV_GIB="${KV_GIB:-2}"   # 4-byte K/V: twice the bytes for the same tokens as bf16
-else
-    KV_GIB="${KV_GIB:-1}"
-fi
+case "$DTYPE" in
+    float32|float) KV_GIB="${KV_GIB:-2}" ;;  # 4-byte K/V: twice the bytes for the same tokens as bf16
+    *) KV_GIB="${KV_GIB:-1}" ;;
+esac
 BLOCK_SIZE="${BLOCK_SIZE:-128}"
 MAX_MODEL_LEN="${MAX_MODEL_LEN:-8192}"
 THREADS="${THREADS:-2}"
