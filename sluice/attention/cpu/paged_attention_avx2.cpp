@@ -212,6 +212,7 @@ struct ItemRunner {
       for (int t = 0; t < kTiles; ++t) s[i][t] = _mm256_setzero_ps();
     // Per d: the N rows' query elements broadcast once, then one key tile at a time against them
     // (N x 4 sums + N broadcasts + 1 key vector: 16 registers at N = 3, a GQA group's heads).
+#pragma GCC unroll 4
     for (int d = 0; d < D; ++d) {
       __m256 qv[N];
 #pragma GCC unroll 8
