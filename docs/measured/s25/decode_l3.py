@@ -1,3 +1,5 @@
+# decode attention per layer with one layer's K/V repeated (stays in L3: compute-bound); T threads (default 1)
+# PYTHONSAFEPATH=1 PYTHONPATH=<tree> T=1 .venv/bin/python docs/measured/s25/decode_l3.py
 import sys, time, torch
 sys.argv=[sys.argv[0]]
 import benchmarks.attention as A
