@@ -32,6 +32,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 
 #if !(defined(__AVX2__) && defined(__FMA__))
 #error "sluice's AVX2 paged attention needs AVX2 and FMA"
@@ -66,6 +67,9 @@ inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
 template <typename T, int D>
 struct ItemRunner {
   static constexpr int kVecs = D / 8;
+  // bfloat16 values (and so acc) are held per 16 dims in the order 0-3, 8-11, 4-7, 12-15: the
+  // order unpacking 16 of them with zeros gives. acc is put back in order when stored.
+  static constexpr bool kVPerm = std::is_same_v<T, bf16>;
   static_assert(D % 32 == 0, "the PV pass takes the head dim 32 elements at a time");
 
   alignas(32) float q[kMaxRows][D];      // query rows, float32, times scale * log2 e
@@ -136,7 +140,16 @@ struct ItemRunner {
     }
     for (int r = 0; r < rows; ++r) {
       const __m256 inv = _mm256_set1_ps(1.0f / l[r]);
-      for (int d = 0; d < D; d += 8) store8(out + out_offset[r] + d, _mm256_mul_ps(_mm256_load_ps(acc[r] + d), inv));
+      if constexpr (kVPerm) {
+        for (int d = 0; d < D; d += 16) {
+          const __m256 a = _mm256_mul_ps(_mm256_load_ps(acc[r] + d), inv);      // dims 0-3, 8-11
+          const __m256 b = _mm256_mul_ps(_mm256_load_ps(acc[r] + d + 8), inv);  // dims 4-7, 12-15
+          store8(out + out_offset[r] + d, _mm256_permute2f128_ps(a, b, 0x20));
+          store8(out + out_offset[r] + d + 8, _mm256_permute2f128_ps(a, b, 0x31));
+        }
+      } else {
+        for (int d = 0; d < D; d += 8) store8(out + out_offset[r] + d, _mm256_mul_ps(_mm256_load_ps(acc[r] + d), inv));
+      }
     }
   }
 
@@ -180,20 +193,63 @@ struct ItemRunner {
         const int key = 8 * t + j;
         src[j] = key < n ? kslots[key] + hh * D : reinterpret_cast<const T*>(kZeroRow);
       }
-      for (int d = 0; d < D; d += 8) {
-        __m256 r[8];
-        for (int j = 0; j < 8; ++j) r[j] = load8(src[j] + d);
-        sluice_simd::transpose8x8(r);
-        for (int i = 0; i < 8; ++i) _mm256_store_ps(kt[d + i] + 8 * t, r[i]);
-        prefetch_tick();
+      if constexpr (std::is_same_v<T, bf16>) {
+        load_k_tile_bf16(src, t);
+      } else {
+        for (int d = 0; d < D; d += 8) {
+          __m256 r[8];
+          for (int j = 0; j < 8; ++j) r[j] = load8(src[j] + d);
+          sluice_simd::transpose8x8(r);
+          for (int i = 0; i < 8; ++i) _mm256_store_ps(kt[d + i] + 8 * t, r[i]);
+          prefetch_tick();
+        }
       }
     }
   }
 
+  // kt's columns [8t, 8t + 8) from 8 bfloat16 key rows: transposed as 16-bit values, widened last.
+  // Per 8 dims: key j's and key j + 4's 8 values share a vector (lanes 0 and 1); two rounds of
+  // 16- and 32-bit unpacks leave, per 128-bit lane, dims d and d + 1 of 4 keys; unpacking those
+  // with zeros puts each bf16 in the top half of a float32 lane: dim d of keys 0-7 in order. 20
+  // shuffles per 8x8 block where widening first and transposing float32 takes 40.
+  inline void load_k_tile_bf16(const T* const (&src)[8], int t) {
+    const __m256i zero = _mm256_setzero_si256();
+#pragma GCC unroll 16
+    for (int d = 0; d < D; d += 8) {
+      __m256i y[4];
+#pragma GCC unroll 4
+      for (int j = 0; j < 4; ++j)
+        y[j] = _mm256_loadu2_m128i(reinterpret_cast<const __m128i*>(src[j + 4] + d),
+                                   reinterpret_cast<const __m128i*>(src[j] + d));
+      const __m256i a01l = _mm256_unpacklo_epi16(y[0], y[1]), a01h = _mm256_unpackhi_epi16(y[0], y[1]);
+      const __m256i a23l = _mm256_unpacklo_epi16(y[2], y[3]), a23h = _mm256_unpackhi_epi16(y[2], y[3]);
+      const __m256i b[4] = {_mm256_unpacklo_epi32(a01l, a23l), _mm256_unpackhi_epi32(a01l, a23l),
+                            _mm256_unpacklo_epi32(a01h, a23h), _mm256_unpackhi_epi32(a01h, a23h)};
+#pragma GCC unroll 4
+      for (int i = 0; i < 4; ++i) {
+        _mm256_store_ps(kt[d + 2 * i] + 8 * t, _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, b[i])));
+        _mm256_store_ps(kt[d + 2 * i + 1] + 8 * t, _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, b[i])));
+      }
+      prefetch_tick();
+    }
+  }
+
+  // v from the chunk's first n keys. bfloat16 values are widened 16 at a time by unpacking with
+  // zeros, which leaves them in kVPerm order (see below).
   void load_v(int hh, int n) {
     for (int j = 0; j < n; ++j) {
       const T* src = vslots[j] + hh * D;
-      for (int d = 0; d < D; d += 8) _mm256_store_ps(v[j] + d, load8(src + d));
+      if constexpr (kVPerm) {
+        const __m256i zero = _mm256_setzero_si256();
+#pragma GCC unroll 8
+        for (int d = 0; d < D; d += 16) {
+          const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + d));
+          _mm256_store_ps(v[j] + d, _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, x)));
+          _mm256_store_ps(v[j] + d + 8, _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, x)));
+        }
+      } else {
+        for (int d = 0; d < D; d += 8) _mm256_store_ps(v[j] + d, load8(src + d));
+      }
       prefetch_tick();
     }
   }
