@@ -87,8 +87,13 @@ struct ItemRunner {
   // lines at a time between this chunk's loads: a burst of hundreds of prefetches at the chunk's
   // start stalls on the line-fill buffers, spread out they overlap the compute.
   const char* pf_seg[2 * kChunk];
-  int pf_count = 0, pf_next = 0, pf_per_tick = 0;
-  int64_t pf_off = 0, pf_bytes = 0;
+  // The prefetch plan and where it stands: load_k and load_v copy it into a local and write it
+  // back when done, so that it lives in registers (as members, every tick stored and reloaded
+  // them: the kernel's vector stores may alias any member).
+  struct PfCursor {
+    int next = 0, count = 0, per_tick = 0;
+    int64_t off = 0, bytes = 0;
+  } pf_cursor;
 
   explicit ItemRunner(float scale) : score_scale(scale * kLog2e) {}
 
@@ -158,8 +163,7 @@ struct ItemRunner {
   // `cur` keys: one per 8x8 block of K and one per key of V, for every kv head.
   void plan_prefetch(const Problem& pb, const int32_t* table, int32_t start, int n, const T* k_cache,
                      const T* v_cache, int kv_begin, int heads, int cur) {
-    pf_count = pf_next = 0;
-    pf_off = 0;
+    pf_cursor = {};
     if (n <= 0) return;
     for_block_runs(pb, table, start, n, [&](int j, int run, int64_t slot) {
       for (int i = 0; i < run; ++i) {
@@ -167,26 +171,28 @@ struct ItemRunner {
         pf_seg[n + j + i] = reinterpret_cast<const char*>(v_cache + (slot + i) * pb.cache_row + kv_begin * D);
       }
     });
-    pf_count = 2 * n;
-    pf_bytes = static_cast<int64_t>(heads) * D * sizeof(T);
-    const int64_t lines = pf_count * ((pf_bytes + 63) / 64);
+    PfCursor& c = pf_cursor;
+    c.count = 2 * n;
+    c.bytes = static_cast<int64_t>(heads) * D * sizeof(T);
+    const int64_t lines = c.count * ((c.bytes + 63) / 64);
     const int64_t ticks = static_cast<int64_t>(heads) * (kTiles * (D / 8) + cur);
-    pf_per_tick = static_cast<int>((lines + ticks - 1) / ticks);
+    c.per_tick = static_cast<int>((lines + ticks - 1) / ticks);
   }
 
-  inline void prefetch_tick() {
-    for (int i = 0; i < pf_per_tick && pf_next < pf_count; ++i) {
-      _mm_prefetch(pf_seg[pf_next] + pf_off, _MM_HINT_T0);
-      pf_off += 64;
-      if (pf_off >= pf_bytes) {
-        pf_off = 0;
-        ++pf_next;
+  inline void prefetch_tick(PfCursor& c) const {
+    for (int i = 0; i < c.per_tick && c.next < c.count; ++i) {
+      _mm_prefetch(pf_seg[c.next] + c.off, _MM_HINT_T0);
+      c.off += 64;
+      if (c.off >= c.bytes) {
+        c.off = 0;
+        ++c.next;
       }
     }
   }
 
   // kt from the first n keys of the chunk at kv head kv_begin + hh (zeros past n).
   void load_k(int hh, int n) {
+    PfCursor pf = pf_cursor;
     for (int t = 0; t < kTiles; ++t) {
       const T* src[8];
       for (int j = 0; j < 8; ++j) {
@@ -194,17 +200,18 @@ struct ItemRunner {
         src[j] = key < n ? kslots[key] + hh * D : reinterpret_cast<const T*>(kZeroRow);
       }
       if constexpr (std::is_same_v<T, bf16>) {
-        load_k_tile_bf16(src, t);
+        load_k_tile_bf16(src, t, pf);
       } else {
         for (int d = 0; d < D; d += 8) {
           __m256 r[8];
           for (int j = 0; j < 8; ++j) r[j] = load8(src[j] + d);
           sluice_simd::transpose8x8(r);
           for (int i = 0; i < 8; ++i) _mm256_store_ps(kt[d + i] + 8 * t, r[i]);
-          prefetch_tick();
+          prefetch_tick(pf);
         }
       }
     }
+    pf_cursor = pf;
   }
 
   // kt's columns [8t, 8t + 8) from 8 bfloat16 key rows: transposed as 16-bit values, widened last.
@@ -212,7 +219,7 @@ struct ItemRunner {
   // 16- and 32-bit unpacks leave, per 128-bit lane, dims d and d + 1 of 4 keys; unpacking those
   // with zeros puts each bf16 in the top half of a float32 lane: dim d of keys 0-7 in order. 20
   // shuffles per 8x8 block where widening first and transposing float32 takes 40.
-  inline void load_k_tile_bf16(const T* const (&src)[8], int t) {
+  inline void load_k_tile_bf16(const T* const (&src)[8], int t, PfCursor& pf) {
     const __m256i zero = _mm256_setzero_si256();
 #pragma GCC unroll 16
     for (int d = 0; d < D; d += 8) {
@@ -230,13 +237,14 @@ struct ItemRunner {
         _mm256_store_ps(kt[d + 2 * i] + 8 * t, _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, b[i])));
         _mm256_store_ps(kt[d + 2 * i + 1] + 8 * t, _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, b[i])));
       }
-      prefetch_tick();
+      prefetch_tick(pf);
     }
   }
 
   // v from the chunk's first n keys. bfloat16 values are widened 16 at a time by unpacking with
   // zeros, which leaves them in kVPerm order (see below).
   void load_v(int hh, int n) {
+    PfCursor pf = pf_cursor;
     for (int j = 0; j < n; ++j) {
       const T* src = vslots[j] + hh * D;
       if constexpr (kVPerm) {
@@ -250,8 +258,9 @@ struct ItemRunner {
       } else {
         for (int d = 0; d < D; d += 8) _mm256_store_ps(v[j] + d, load8(src + d));
       }
-      prefetch_tick();
+      prefetch_tick(pf);
     }
+    pf_cursor = pf;
   }
 
   // Scores of rows [rb, rb + N) against the chunk's keys [start, start + n) and their online
