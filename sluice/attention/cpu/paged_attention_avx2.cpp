@@ -6,14 +6,15 @@
 // Within an item, the rows of one kv head are (query token, query head of the group) pairs; keys
 // are consumed in chunks of 32 with an online softmax in float32 (base 2: the queries are
 // multiplied by scale * log2 e when loaded). Per chunk and kv head:
-//   K: the chunk's 32 key rows widened to float32 and transposed in 8x8 blocks, so that one
-//      vector holds one head-dim element of 8 keys: a score vector is 8 keys of one row, with no
-//      horizontal sums; 3 rows (a GQA group's query heads) x 4 key tiles are 12 independent
-//      FMA chains.
+//   K: the chunk's 32 key rows transposed in 8x8 blocks (bfloat16 ones as 16-bit values, then
+//      widened) into kt, so that one vector holds one head-dim element of 8 keys: a score vector
+//      is 8 keys of one row, with no horizontal sums; 3 rows (a GQA group's query heads) x 4 key
+//      tiles are 12 independent FMA chains. (Transposing into registers and skipping kt leaves
+//      a decode's 3 rows 3-6 chains: latency-bound, measured no faster.)
 //   Softmax: per row, the chunk's maximum, the factor alpha that rescales what the row has
 //      accumulated, the probabilities (exp2 by polynomial) and the denominator.
-//   V: the chunk's value rows widened to float32; 3 rows x 4 vectors of the head dim accumulate
-//      p_j v_j over the chunk's keys.
+//   V: the chunk's value rows widened to float32 (bfloat16 ones in a permuted dim order, see
+//      kVPerm); 3 rows x 4 vectors of the head dim accumulate p_j v_j over the chunk's keys.
 // Nothing is rounded to bfloat16 but the output. A row's result does not depend on the item it is
 // in or the rows beside it (every row's sums run in the same order), so a decode and the same
 // position verified among drafts agree to the bit, as speculative decoding needs.
