@@ -14,13 +14,15 @@
 //
 // x is widened to float32 once per call. A unit of work is 16 output columns (two vectors of 8)
 // of one packed group, or, for the fused gate/up projection, 8 gate columns and their 8 up
-// columns. Per k pair a tile of up to 4 rows x 2 vectors does 16 FMAs against 2 weight loads and
-// 8 broadcasts. From 8 rows on, a unit's weights are first widened to float32 ([K][16], once per
-// unit and row block) and tiles of 6 rows x 2 vectors run on them: per k 12 FMAs against 2 loads
-// and 6 broadcasts, no widening in the loop (~1.3-1.5x the throughput at 32-224 rows here). Both
-// paths sum each output in one chain over k = 0, 1, ..., so a row's bits do not depend on how many
-// rows share the call. Rows are taken in blocks whose float32 copy stays in L2 while units pass over
-// them; from 8 rows on, the threads take (row block, run of units) items from a shared counter.
+// columns. One or two rows take spans of 4 column vectors instead (whole 64-byte weight lines:
+// there a step is a stream of weights, see run_span). Per k pair a tile of up to 4 rows x 2
+// vectors does 16 FMAs against 2 weight loads and 8 broadcasts. From 8 rows on, a unit's weights
+// are first widened to float32 ([K][16], once per unit and row block) and tiles of 6 rows x 2
+// vectors run on them: per k 12 FMAs against 2 loads and 6 broadcasts, no widening in the loop
+// (~1.3-1.5x the throughput at 32-224 rows here). All paths sum each output in one chain over
+// k = 0, 1, ..., so a row's bits do not depend on how many rows share the call. Rows are taken in
+// blocks whose float32 copy stays in L2 while units pass over them; from 8 rows on, the threads
+// take (row block, run of units) items from a shared counter.
 //
 // linear_bf16_silu_mul writes silu(gate) * up: [M, N / 2] (packed groups hold 32 gate columns then
 // the 32 matching up columns; see pack_gate_up), with both halves rounded to bf16 first.
@@ -215,6 +217,98 @@ void run_unit_wide(const float* x, int64_t m, int64_t ldx, const bf16* wg, int64
   });
 }
 
+// One or two rows (a lone decode, a short verification): here a step only streams the weights,
+// and unit after unit of 64 bytes per k pair, a group's width (256 bytes) apart, read them at
+// ~13 GB/s of the ~33 measured. A span instead takes 4 of a group's column vectors (plain: 4
+// neighbours, two whole 64-byte lines per k pair; fused gate/up: 2 gate vectors and their 2 up
+// vectors), so that the two spans of a group consume each of its lines whole, and the 4-8
+// accumulators keep more FMA chains in flight. Each output is still one chain over k = 0, 1, ...
+// (even then odd of each pair), as in dot_tile and dot_tile_wide: the same bits.
+struct Span {
+  int64_t col;     // first column of the group
+  int vecs;        // the group's width in vectors of 8 columns
+  int nv;          // vectors in the span: 4, or 2 at the end of a narrower last group
+  int voff[4];     // the span's column vectors within the group (fused: gates, then their ups)
+  int64_t out;     // first output column of the span
+};
+
+std::vector<Span> make_spans(int64_t n, bool silu_mul) {
+  std::vector<Span> spans;
+  for (int64_t col = 0; col < n; col += kGroupCols) {
+    const int vecs = static_cast<int>(std::min<int64_t>(kGroupCols, n - col) / 8);
+    if (silu_mul) {
+      const int h = vecs / 2;
+      for (int j = 0; j < h; j += 2) {
+        if (j + 1 < h) spans.push_back({col, vecs, 4, {j, j + 1, j + h, j + h + 1}, col / 2 + 8 * j});
+        else spans.push_back({col, vecs, 2, {j, j + h}, col / 2 + 8 * j});
+      }
+    } else {
+      for (int j = 0; j < vecs; j += 4) {
+        if (j + 3 < vecs) spans.push_back({col, vecs, 4, {j, j + 1, j + 2, j + 3}, col + 8 * j});
+        else spans.push_back({col, vecs, 2, {j, j + 1}, col + 8 * j});
+      }
+    }
+  }
+  return spans;
+}
+
+template <int kRows, int kVecs, bool kSiluMul>
+void run_span(const float* x, int64_t ldx, const bf16* wg, int64_t k_pairs, const Span& sp, const float* bias,
+              bf16* y, int64_t ldy) {
+  const int64_t stride = 16 * sp.vecs;
+  const bf16* w[kVecs];
+#pragma GCC unroll 4
+  for (int v = 0; v < kVecs; ++v) w[v] = wg + 16 * sp.voff[v];
+  __m256 acc[kRows][kVecs];
+#pragma GCC unroll 8
+  for (int r = 0; r < kRows; ++r)
+#pragma GCC unroll 4
+    for (int v = 0; v < kVecs; ++v) acc[r][v] = _mm256_setzero_ps();
+  for (int64_t p = 0; p < k_pairs; ++p) {
+    prefetch_ahead(w[0], w[kVecs - 1], p, stride);  // the span's two lines
+    __m256 we[kVecs], wo[kVecs];
+#pragma GCC unroll 4
+    for (int v = 0; v < kVecs; ++v)
+      split_pair(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[v] + p * stride)), we[v], wo[v]);
+#pragma GCC unroll 8
+    for (int r = 0; r < kRows; ++r) {
+      const __m256 xe = _mm256_broadcast_ss(x + r * ldx + 2 * p);
+      const __m256 xo = _mm256_broadcast_ss(x + r * ldx + 2 * p + 1);
+#pragma GCC unroll 4
+      for (int v = 0; v < kVecs; ++v) acc[r][v] = _mm256_fmadd_ps(xe, we[v], acc[r][v]);
+#pragma GCC unroll 4
+      for (int v = 0; v < kVecs; ++v) acc[r][v] = _mm256_fmadd_ps(xo, wo[v], acc[r][v]);
+    }
+  }
+  for (int r = 0; r < kRows; ++r) {
+#pragma GCC unroll 4
+    for (int v = 0; v < kVecs; ++v)
+      if (bias) acc[r][v] = _mm256_add_ps(acc[r][v], _mm256_loadu_ps(bias + sp.col + 8 * sp.voff[v]));
+    if constexpr (kSiluMul) {
+#pragma GCC unroll 2
+      for (int v = 0; v < kVecs / 2; ++v)
+        store8_bf16(y + r * ldy + sp.out + 8 * v, silu_mul(round_bf16(acc[r][v]), round_bf16(acc[r][v + kVecs / 2])));
+    } else {
+#pragma GCC unroll 4
+      for (int v = 0; v < kVecs; ++v) store8_bf16(y + r * ldy + sp.out + 8 * v, acc[r][v]);
+    }
+  }
+}
+
+template <int kRows, bool kSiluMul>
+void run_spans(const float* x, int64_t ldx, const bf16* wp, int64_t k, const std::vector<Span>& spans,
+               const float* bias, bf16* y, int64_t ldy) {
+  // A span is 128 bytes of weight per k pair; split them evenly over the threads.
+  at::parallel_for(0, static_cast<int64_t>(spans.size()), 4, [&](int64_t s0, int64_t s1) {
+    for (int64_t i = s0; i < s1; ++i) {
+      const Span& sp = spans[i];
+      const bf16* wg = wp + sp.col * k;
+      if (sp.nv == 4) run_span<kRows, 4, kSiluMul>(x, ldx, wg, k / 2, sp, bias, y, ldy);
+      else run_span<kRows, 2, kSiluMul>(x, ldx, wg, k / 2, sp, bias, y, ldy);
+    }
+  });
+}
+
 // The units of an N-column weight: plain, per group its vector pairs (0, 1), (2, 3), ...;
 // fused, per group gate vector j with up vector j + vecs / 2.
 std::vector<Unit> make_units(int64_t n, bool silu_mul) {
@@ -250,6 +344,12 @@ void run(const at::Tensor& x, const at::Tensor& packed, int64_t n, int64_t k, co
       for (; j < k; ++j) dst[j] = c10::BFloat16(src[j], c10::BFloat16::from_bits());
     }
   });
+  if (m <= 2) {
+    const std::vector<Span> spans = make_spans(n, kSiluMul);
+    if (m == 1) run_spans<1, kSiluMul>(xw, k, wp, k, spans, bias, yp, ldy);
+    else run_spans<2, kSiluMul>(xw, k, wp, k, spans, bias, yp, ldy);
+    return;
+  }
   const std::vector<Unit> units = make_units(n, kSiluMul);
   const int64_t num_units = static_cast<int64_t>(units.size());
   if (m < kWideMinRows) {
