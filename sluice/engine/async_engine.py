@@ -18,6 +18,7 @@ from typing import AsyncIterator, Optional
 from sluice.config import EngineConfig
 from sluice.engine.errors import EngineDeadError, RequestRejected
 from sluice.engine.llm_engine import LLMEngine, WorkflowInfo
+from sluice.engine.openmp import release_calling_thread_pool
 from sluice.engine.stats import EngineStats
 from sluice.outputs import RequestOutput
 from sluice.sampling_params import SamplingParams
@@ -67,6 +68,9 @@ class AsyncEngine:
     # --- lifecycle ----------------------------------------------------------------------
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
+        # The loop's thread (which built the model, in `sluice serve`) gives up its OpenMP
+        # workers: the engine thread's must be the only pool (sluice/engine/openmp.py).
+        release_calling_thread_pool()
         self._thread = threading.Thread(target=self._run, name="sluice-engine", daemon=True)
         self._thread.start()
 
