@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Issue 4 pressure, long window (600 s), one run each: sluice workflow (gated), sluice fcfs (closed), vLLM float32 188 blocks (closed).
+set -u
+cd /work/main
+OUT=bench-results/s28/pressure-long-cb65dd8
+mkdir -p $OUT
+WIN=${WIN:-600}
+wait_up() { for i in $(seq 1 400); do curl -sf "$1/models" >/dev/null && return 0; sleep 1; done; return 1; }
+run_sluice() { # label policy admission
+  .venv/bin/python -m sluice.cli serve --port 8001 --kv-cache-tokens 24064 --scheduling-policy $2 > $OUT/$1-server.log 2>&1 &
+  local pid=$!
+  wait_up http://127.0.0.1:8001/v1 || { echo "server $1 did not start"; kill $pid; return; }
+  echo "$(date -u +%T) start $1"
+  .venv/bin/sluice bench sustained --quiet --history actual --admission $3 --base-url http://127.0.0.1:8001/v1 --window $WIN --concurrency 32 --repeats 1 --out $OUT/$1 > $OUT/$1.log 2>&1
+  curl -s http://127.0.0.1:8001/metrics > $OUT/$1-metrics.txt
+  kill $pid; wait $pid 2>/dev/null
+  echo "$(date -u +%T) done $1"
+}
+run_sluice workflow workflow load
+run_sluice fcfs fcfs closed
+env DTYPE=float32 NUM_BLOCKS=188 scripts/serve-vllm.sh > $OUT/vllm-server.log 2>&1 &
+VP=$!
+if wait_up http://127.0.0.1:8100/v1; then
+  echo "$(date -u +%T) start vllm"
+  .venv/bin/sluice bench sustained --quiet --history actual --admission closed --base-url http://127.0.0.1:8100/v1 --window $WIN --concurrency 32 --repeats 1 --out $OUT/vllm > $OUT/vllm.log 2>&1
+  echo "$(date -u +%T) done vllm"
+fi
+pkill -f "vllm serve" ; kill $VP 2>/dev/null; sleep 3; pkill -9 -f "vllm" 2>/dev/null
+echo ALLDONE
