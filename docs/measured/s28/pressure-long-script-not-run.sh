@@ -2,7 +2,7 @@
 # Issue 4 pressure, long window (600 s), one run each: sluice workflow (gated), sluice fcfs (closed), vLLM float32 188 blocks (closed).
 set -u
 cd /work/main
-OUT=bench-results/s28/pressure-long-cb65dd8
+OUT=bench-results/pressure-long-$(git rev-parse --short HEAD)
 mkdir -p $OUT
 WIN=${WIN:-600}
 wait_up() { for i in $(seq 1 400); do curl -sf "$1/models" >/dev/null && return 0; sleep 1; done; return 1; }
