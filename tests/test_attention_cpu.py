@@ -137,6 +137,26 @@ def test_matches_torch_reference_at_smollm2_step_shape(cpu, dtype):
     assert all(torch.equal(a, b) for a, b in zip(caches, ref_caches))
 
 
+@pytest.mark.parametrize("spread", [4.0, 12.0, 40.0])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_peaked_scores_match_torch_reference(cpu, dtype, spread):
+    """Scores whose maximum jumps between key chunks by less and by more than the kernels' lazy
+    softmax slack (the AVX2 set moves its reference maximum only when a score exceeds it by 2^8):
+    queries scaled so scores have a standard deviation of `spread` (1 for unit-variance data),
+    from nearly flat to nearly one-hot; decodes and a prefill chunk over 64-key chunks. The
+    reference is float64: a score's float32 rounding moves the output in proportion to the
+    spread (torch's own float32 attention is off by 3e-5 at 40), so float32's tolerance grows
+    with it; a skipped or wrong rescale moves outputs by O(0.1)."""
+    cases = [SeqCase(c, 1) for c in (40, 300, 1000, 2047)] + [SeqCase(500, 90), SeqCase(0, 70)]
+    meta, q, k, v, caches = _random_step(cases, 9, 3, 64, 16, dtype, seed=11)
+    q = (q.float() * spread).to(dtype)
+    want = TorchPagedAttention().forward(q.double(), k.double(), v.double(), *[c.double() for c in caches],
+                                         meta, 0.125)
+    got = cpu.forward(q, k, v, *caches, meta, 0.125)
+    tol = TOLERANCES[dtype] if dtype == torch.bfloat16 else {"atol": 2e-6 * spread, "rtol": 2e-6 * spread}
+    torch.testing.assert_close(got.double(), want, **tol)
+
+
 def test_unsupported_layout_falls_back_to_reference(cpu, caplog):
     meta, q, k, v, caches = _random_step(MANY[:12], 4, 2, 64, 16, torch.float16, seed=5)
     ref_caches = [c.clone() for c in caches]
