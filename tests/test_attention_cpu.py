@@ -141,9 +141,10 @@ def test_matches_torch_reference_at_smollm2_step_shape(cpu, dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_peaked_scores_match_torch_reference(cpu, dtype, spread):
     """Scores whose maximum jumps between key chunks by less and by more than the kernels' lazy
-    softmax slack (the AVX2 set moves its reference maximum only when a score exceeds it by 2^8):
+    softmax slack (the AVX2 set moves its reference maximum only when a base-2 score exceeds it by
+    more than 8):
     queries scaled so scores have a standard deviation of `spread` (1 for unit-variance data),
-    from nearly flat to nearly one-hot; decodes and a prefill chunk over 64-key chunks. The
+    from nearly flat to nearly one-hot; decodes and a prefill chunk over many key chunks. The
     reference is float64: a score's float32 rounding moves the output in proportion to the
     spread (torch's own float32 attention is off by 3e-5 at 40), so float32's tolerance grows
     with it; a skipped or wrong rescale moves outputs by O(0.1)."""
