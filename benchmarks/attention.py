@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from sluice import hugepages
 from sluice.attention import AttentionMetadata, create_backend
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16
@@ -57,7 +58,7 @@ def copy_bandwidth(clock, repeats: int = 5) -> float:
     return 2 * src.numel() * src.element_size() / best
 
 
-def make_layer(case: Case, dtype: torch.dtype, g: torch.Generator):
+def make_layer(case: Case, dtype: torch.dtype, g: torch.Generator, huge_pages: bool = False):
     """Metadata plus inputs of one layer call, with block tables drawn from a shuffled pool."""
     seq_lens = [c + q for c, q in zip(case.context, case.query)]
     blocks_per_seq = [-(-n // BLOCK_SIZE) for n in seq_lens]
@@ -82,7 +83,9 @@ def make_layer(case: Case, dtype: torch.dtype, g: torch.Generator):
     k = torch.randn(t, KV_HEADS, HEAD_DIM, generator=g).to(dtype)           # [T, KVH, D]
     v = torch.randn(t, KV_HEADS, HEAD_DIM, generator=g).to(dtype)
     shape = (num_blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
-    caches = (torch.randn(shape, generator=g).to(dtype), torch.randn(shape, generator=g).to(dtype))
+    caches = hugepages.zeros([(shape, dtype)] * 2, huge_pages)
+    for c in caches:
+        c.copy_(torch.randn(shape, generator=g))
     return meta, q, k, v, caches
 
 
@@ -119,6 +122,7 @@ def main() -> None:
     ap.add_argument("--only", default=None, help="run only the cases whose label contains this")
     ap.add_argument("--no-torch", action="store_true", help="skip the (slow) torch reference")
     ap.add_argument("--block-size", type=int, default=BLOCK_SIZE, help="tokens per KV cache block")
+    ap.add_argument("--huge-pages", action="store_true", help="KV caches on transparent huge pages, as the engine's")
     args = ap.parse_args()
     BLOCK_SIZE = args.block_size
     if args.cpu_time:
@@ -129,7 +133,8 @@ def main() -> None:
     dtype = getattr(torch, args.dtype)
     backends = {name: create_backend(name) for name in (("cpu",) if args.no_torch else ("torch", "cpu"))}
     bw = copy_bandwidth(clock)
-    print(f"threads={torch.get_num_threads()} dtype={args.dtype} block_size={BLOCK_SIZE} clock={'thread CPU' if args.cpu_time else 'wall'} "
+    print(f"threads={torch.get_num_threads()} dtype={args.dtype} block_size={BLOCK_SIZE} "
+          f"huge_pages={args.huge_pages and hugepages.available()} clock={'thread CPU' if args.cpu_time else 'wall'} "
           f"copy bandwidth={bw / 1e9:.1f} GB/s (read+write); per-layer times, best of {args.repeats}")
     print(f"{'case':<24} {'KV MB':>6} {'roofline us':>11} {'torch us':>9} {'cpu us':>8} {'speedup':>7} "
           f"{'cpu GB/s':>8} {'cpu/roof':>8} {'cpu GFLOP/s':>11}")
@@ -140,7 +145,7 @@ def main() -> None:
                 continue
             nbytes = kv_bytes(case, dtype)
             num_layers = max(2, -(-MIN_KV_BYTES // nbytes))
-            layers = [make_layer(case, dtype, g) for _ in range(num_layers)]
+            layers = [make_layer(case, dtype, g, args.huge_pages) for _ in range(num_layers)]
             times = {name: time_layer(b, layers, args.repeats, clock) for name, b in backends.items()}
             roof = nbytes / bw
             cpu = times["cpu"]

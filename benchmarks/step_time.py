@@ -34,12 +34,14 @@ def main() -> None:
     ap.add_argument("--scatter", action="store_true",
                     help="shuffle the free block queue first, so that a sequence's blocks lie scattered "
                          "over the cache as in a server that has run for a while")
+    ap.add_argument("--no-huge-pages", dest="huge_pages", action="store_false",
+                    help="weights and KV cache on ordinary pages (sluice/hugepages.py)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     llm = LLM(args.model, dtype=args.dtype, max_model_len=4096, kv_cache_tokens=32 * 2304 + 4096,
               max_num_seqs=64, max_num_batched_tokens=2048, enable_prefix_caching=False,
-              attention_backend=args.backend, block_size=args.block_size)
+              attention_backend=args.backend, block_size=args.block_size, huge_pages=args.huge_pages)
     eng = llm.engine
     if args.scatter:
         import random
@@ -51,7 +53,7 @@ def main() -> None:
     cfg = eng.config.model
     flops = matmul_flops_per_token(cfg)
     print(f"threads={torch.get_num_threads()} backend={args.backend} block_size={args.block_size} "
-          f"scatter={args.scatter} matmul GFLOP/token={flops / 1e9:.3f}")
+          f"scatter={args.scatter} huge_pages={args.huge_pages} matmul GFLOP/token={flops / 1e9:.3f}")
     print(f"{'batch':>5} {'context':>7} {'step ms':>8} {'tok/s':>8} {'GFLOP/s(matmul)':>15}")
     for ctx in args.contexts:
         for b in args.batches:

@@ -49,6 +49,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="calls the engine schedules nothing for this long (a scheduler fault) end with a 500 "
                         "instead of waiting forever (default 30)")
     p.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads (default: all cores)")
+    p.add_argument("--no-huge-pages", dest="huge_pages", action="store_false",
+                   help="keep weights and KV cache on ordinary pages (default: transparent huge pages "
+                        "where the kernel offers them)")
     p.add_argument("--step-trace", default=None, metavar="PATH",
                    help="append one JSON line per engine step: its batch shape and where its time went")
     p.add_argument("--speculative-config", default=DEFAULT_SPECULATIVE, metavar="JSON",
@@ -130,6 +133,7 @@ def build_engine_config(args: argparse.Namespace):
         seed=args.seed,
         attention_backend=args.attention_backend,
         num_threads=args.num_threads,
+        huge_pages=args.huge_pages,
         step_trace_path=args.step_trace,
         speculative=parse_speculative_config(args.speculative_config),
         stall_timeout_s=args.stall_timeout,

@@ -166,6 +166,8 @@ class EngineConfig:
     seed: int = 0
     attention_backend: str = "auto"       # "cpu" also runs bf16 linear layers on the compiled kernel
     num_threads: Optional[int] = None
+    # Weights and KV cache on transparent huge pages where the kernel offers them (sluice/hugepages.py).
+    huge_pages: bool = True
     step_trace_path: Optional[str] = None  # append one JSON line per engine step (shape and timings)
     speculative: Optional[SpeculativeConfig] = None  # None: no speculative decoding
     # Steps that schedule nothing while requests are unfinished, for this long, end those requests

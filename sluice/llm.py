@@ -33,6 +33,7 @@ class LLM:
         kv_cache_gib: Optional[float] = None,         # instead of kv_cache_tokens
         max_state_snapshots: Optional[int] = None,    # hybrid models (see CacheConfig)
         speculative_config: Optional[dict] = None,    # e.g. {"method": "ngram"}; see SpeculativeConfig
+        huge_pages: bool = True,                      # weights and KV cache on transparent huge pages
     ) -> None:
         path: Path = resolve_model_path(model)
         cfg = load_model_config(path)
@@ -49,6 +50,7 @@ class LLM:
             dtype=parse_dtype(dtype) if isinstance(dtype, str) else dtype,
             seed=seed,
             attention_backend=attention_backend,
+            huge_pages=huge_pages,
             speculative=SpeculativeConfig.from_dict(speculative_config) if speculative_config is not None else None,
         ))
         self.tokenizer = self.engine.tokenizer

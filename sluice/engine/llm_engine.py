@@ -86,7 +86,8 @@ class LLMEngine:
                         num_blocks, plan.paged_bytes / (1 << 30), plan.state.num_seq_slots,
                         plan.state.num_snapshots, plan.bytes_per_state / (1 << 20), plan.state_bytes / (1 << 30))
         t0 = time.perf_counter()
-        model = load_model(Path(path), config.model, config.dtype, create_backend(config.attention_backend))
+        model = load_model(Path(path), config.model, config.dtype, create_backend(config.attention_backend),
+                           huge_pages=config.huge_pages)
         logger.info("loaded %s (%s) in %.1fs", path, config.model.architecture, time.perf_counter() - t0)
         self.cache_plan = plan
         self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks, clock, plan.state,

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from sluice.attention.base import AttentionMetadata, StateMetadata
+from sluice import hugepages
 from sluice.config import EngineConfig
 from sluice.engine.request import Request
 from sluice.engine.sampler import Sampler, SamplingRow
@@ -58,12 +59,12 @@ class ModelRunner:
         if spec is None:
             shape = (num_blocks, self.block_size, m.num_key_value_heads, m.head_dim)
             # [layers][k|v]: [num_blocks, block_size, num_kv_heads, head_dim]
-            self.kv_caches = [(torch.zeros(shape, dtype=config.dtype), torch.zeros(shape, dtype=config.dtype))
-                              for _ in range(m.num_hidden_layers)]
+            flat = hugepages.zeros([(shape, config.dtype)] * (2 * m.num_hidden_layers), config.huge_pages)
+            self.kv_caches = list(zip(flat[0::2], flat[1::2]))
         else:
             # [layers][the layer's tensors]: paged [num_blocks, block_size, ...] or state [num_slots, ...]
             self.kv_caches = spec.allocate(num_blocks, self.block_size, state.num_slots if state else 0,
-                                           config.dtype)
+                                           config.dtype, config.huge_pages)
             self.state_tensors = [t for layer, specs in zip(self.kv_caches, spec.layers)
                                   for t, s in zip(layer, specs) if not s.paged]
         self.sampler = Sampler(argmax=_compiled_argmax(model))

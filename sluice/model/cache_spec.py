@@ -18,6 +18,8 @@ from typing import Optional
 
 import torch
 
+from sluice import hugepages
+
 
 @dataclass(frozen=True)
 class CacheTensor:
@@ -52,11 +54,8 @@ class ModelCacheSpec:
         return any(not t.paged for layer in self.layers for t in layer)
 
     def allocate(self, num_blocks: int, block_size: int, num_state_slots: int,
-                 model_dtype: torch.dtype) -> list[tuple[torch.Tensor, ...]]:
-        caches = []
-        for layer in self.layers:
-            caches.append(tuple(
-                torch.zeros((num_blocks, block_size, *t.shape) if t.paged else (num_state_slots, *t.shape),
-                            dtype=t.resolve_dtype(model_dtype))
-                for t in layer))
-        return caches
+                 model_dtype: torch.dtype, huge_pages: bool = False) -> list[tuple[torch.Tensor, ...]]:
+        shapes = [((num_blocks, block_size, *t.shape) if t.paged else (num_state_slots, *t.shape),
+                   t.resolve_dtype(model_dtype)) for layer in self.layers for t in layer]
+        flat = iter(hugepages.zeros(shapes, huge_pages))
+        return [tuple(next(flat) for _ in layer) for layer in self.layers]

@@ -9,6 +9,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from sluice import hugepages
 from sluice.attention.base import AttentionBackend
 from sluice.config import ModelConfig
 from sluice.model.registry import create_model
@@ -99,8 +100,10 @@ def _iter_safetensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, sf.get_tensor(name)
 
 
-def load_model(path: Path, cfg: ModelConfig, dtype: torch.dtype, backend: AttentionBackend) -> nn.Module:
-    """Build the model in `dtype` and stream the checkpoint into it, one tensor at a time."""
+def load_model(path: Path, cfg: ModelConfig, dtype: torch.dtype, backend: AttentionBackend,
+               huge_pages: bool = False) -> nn.Module:
+    """Build the model in `dtype` and stream the checkpoint into it, one tensor at a time; with
+    `huge_pages`, the weights end on transparent huge pages (sluice/hugepages.py)."""
     prev = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -122,7 +125,9 @@ def load_model(path: Path, cfg: ModelConfig, dtype: torch.dtype, backend: Attent
     if dtype == torch.bfloat16 and getattr(backend, "name", None) == "cpu":
         from sluice.model.packed_linear import use_cpu_kernels
 
-        use_cpu_kernels(model)  # the cpu backend's extension also holds linear, norm and rotary kernels
+        use_cpu_kernels(model, huge_pages)  # the cpu backend's extension also holds linear, norm and rotary kernels
+    elif huge_pages:
+        hugepages.move_module(model)
     return model.eval()
 
 

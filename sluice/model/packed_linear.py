@@ -17,6 +17,8 @@ from typing import Optional
 import torch
 from torch import nn
 
+from sluice import hugepages
+
 logger = logging.getLogger(__name__)
 
 GROUP = 64  # output columns per packed group (kGroupCols in linear.cpp)
@@ -87,7 +89,7 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, silu_mul={self.silu_mul}"
 
 
-def use_cpu_kernels(model: nn.Module) -> int:
+def use_cpu_kernels(model: nn.Module, huge_pages: bool = False) -> int:
     """Move a bfloat16 model onto the compiled CPU kernels: packed linears (below), fused RMSNorm
     and rotary, and, when every layer fits it, the whole decoder stack as one call
     (sluice/model/compiled_stack.py). Needs the cpu backend's extension, already loaded. Returns
@@ -99,6 +101,10 @@ def use_cpu_kernels(model: nn.Module) -> int:
         if isinstance(module, (RMSNorm, RotaryEmbedding)):
             module.fused = True
     swapped = pack_linear_layers(model)
+    if huge_pages:  # before the compiled stack takes references to the packed weights
+        moved = hugepages.move_module(model)
+        if moved:
+            logger.info("weights on transparent huge pages (%.0f MiB)", moved / (1 << 20))
     reason = unsupported_reason(model)
     if reason is None:
         model.compiled_stack = CompiledDecoderStack(model)
