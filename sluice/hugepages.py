@@ -16,6 +16,7 @@ tensors, so callers need no second path.
 """
 from __future__ import annotations
 
+import ctypes
 import logging
 import math
 import mmap
@@ -146,4 +147,18 @@ def move_module(model: nn.Module, min_bytes: int = 1 << 16) -> int:
             module._parameters[name] = replaced[key]
         else:
             module._buffers[name] = new
+    del tensors, unique, slots
+    _return_freed_heap()
     return arena.used
+
+
+def _return_freed_heap() -> None:
+    """Hand the heap memory the moved tensors held back to the OS. glibc keeps freed chunks below
+    its mmap threshold (which grows to 32 MB) in the heap, so without this the old copies of the
+    weights stay resident: +370 MB of RSS for SmolLM2 (measured, session 31)."""
+    try:
+        libc = ctypes.CDLL(None)
+        trim = libc.malloc_trim
+    except (OSError, AttributeError):  # not glibc
+        return
+    trim(0)
