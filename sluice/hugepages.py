@@ -5,7 +5,9 @@ block-table address, scattered over a cache of a gigabyte or more. On 4 KB pages
 two or three pages, and the cache is far larger than the TLB covers, so each run starts with page
 walks that the kernel's software prefetch cannot hide. On 2 MB pages one TLB entry covers 340
 blocks. Measured on the AVX2 machine type (session 31, `docs/measured/s31/`): one thread reading
-random 6 KB runs went from 7.5 to 9.5 GB/s, sequential reading from 13.8 to 17.7 GB/s.
+random 6 KB runs went from 7.5 to 9.5 GB/s, sequential reading from 13.8 to 17.7 GB/s, one thread
+of decode attention 4-9% faster; the engine's decode step there did not change measurably (its
+two threads are bound by the kernel's compute and the blocks' short runs before page walks).
 
 Linux gives an anonymous private mapping huge pages where it is 2 MB aligned and advised
 `MADV_HUGEPAGE` (the default "madvise" mode of /sys/kernel/mm/transparent_hugepage/enabled, which
@@ -147,7 +149,7 @@ def move_module(model: nn.Module, min_bytes: int = 1 << 16) -> int:
             module._parameters[name] = replaced[key]
         else:
             module._buffers[name] = new
-    del tensors, unique, slots
+    del tensors, unique, slots, t, old  # the last loop variables too: no old copy may survive the trim
     _return_freed_heap()
     return arena.used
 

@@ -8,8 +8,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from sluice.attention.base import AttentionMetadata, StateMetadata
 from sluice import hugepages
+from sluice.attention.base import AttentionMetadata, StateMetadata
 from sluice.config import EngineConfig
 from sluice.engine.request import Request
 from sluice.engine.sampler import Sampler, SamplingRow
