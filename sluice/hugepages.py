@@ -6,8 +6,9 @@ two or three pages, and the cache is far larger than the TLB covers, so each run
 walks that the kernel's software prefetch cannot hide. On 2 MB pages one TLB entry covers 340
 blocks. Measured on the AVX2 machine type (session 31, `docs/measured/s31/`): one thread reading
 random 6 KB runs went from 7.5 to 9.5 GB/s, sequential reading from 13.8 to 17.7 GB/s, one thread
-of decode attention 4-9% faster; the engine's decode step there did not change measurably (its
-two threads are bound by the kernel's compute and the blocks' short runs before page walks).
+of decode attention 4-9% faster, the engine's decode step at batch 32 and 2k context ~5% faster
+(unchanged at 1k context and at batch 1, where the kernel's compute and the blocks' short runs
+bound it before page walks do).
 
 Linux gives an anonymous private mapping huge pages where it is 2 MB aligned and advised
 `MADV_HUGEPAGE` (the default "madvise" mode of /sys/kernel/mm/transparent_hugepage/enabled, which
