@@ -73,9 +73,7 @@ class HugePageArena:
 
     def take(self, shape: Iterable[int], dtype: torch.dtype, touch: bool = True) -> torch.Tensor:
         shape = tuple(int(s) for s in shape)
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        nbytes = math.prod(shape) * itemsize
-        start = -(-self.used // _ALIGN) * _ALIGN
+        start, nbytes = _align(self.used), math.prod(shape) * dtype.itemsize
         if start + nbytes > self.size:
             raise ValueError(f"the arena has {self.size - start} bytes left, {nbytes} asked")
         self.used = start + nbytes
@@ -85,10 +83,15 @@ class HugePageArena:
         return view
 
 
+def _align(offset: int) -> int:
+    return -(-offset // _ALIGN) * _ALIGN
+
+
 def _footprint(shapes: list[tuple[tuple[int, ...], torch.dtype]]) -> int:
+    """Bytes an arena needs for these tensors, laid out as `take` lays them."""
     total = 0
     for shape, dtype in shapes:
-        total = -(-total // _ALIGN) * _ALIGN + math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        total = _align(total) + math.prod(shape) * dtype.itemsize
     return total
 
 
@@ -152,6 +155,7 @@ def move_module(model: nn.Module, min_bytes: int = 1 << 16) -> int:
             module._buffers[name] = new
     del tensors, unique, slots, t, old  # the last loop variables too: no old copy may survive the trim
     _return_freed_heap()
+    logger.info("weights on transparent huge pages (%.0f MiB)", arena.used / (1 << 20))
     return arena.used
 
 

@@ -59,9 +59,8 @@ def test_arena_is_backed_by_huge_pages():
     assert plain.data_ptr() % hugepages.HUGE_PAGE != 0 or huge_kb_at(plain.data_ptr()) == 0
 
 
+@needs_thp
 def test_arena_refuses_to_overflow():
-    if not hugepages.available():
-        pytest.skip("no transparent huge pages here")
     arena = hugepages.HugePageArena(100)
     arena.take((hugepages.HUGE_PAGE // 4,), torch.float32)
     with pytest.raises(ValueError, match="bytes left"):

@@ -102,9 +102,7 @@ def use_cpu_kernels(model: nn.Module, huge_pages: bool = False) -> int:
             module.fused = True
     swapped = pack_linear_layers(model)
     if huge_pages:  # before the compiled stack takes references to the packed weights
-        moved = hugepages.move_module(model)
-        if moved:
-            logger.info("weights on transparent huge pages (%.0f MiB)", moved / (1 << 20))
+        hugepages.move_module(model)
     reason = unsupported_reason(model)
     if reason is None:
         model.compiled_stack = CompiledDecoderStack(model)
