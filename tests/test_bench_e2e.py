@@ -40,10 +40,16 @@ def _bench(base_url: str, out: Path, *extra: str) -> subprocess.CompletedProcess
     return subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONHASHSEED": "0"})
 
 
-def test_burst_against_sluice_serve(tmp_path: Path):
-    with RemoteServer(["--max-model-len", "2048"]) as server:
-        proc = _bench(server.base_url, tmp_path / "run")
-        assert proc.returncode == 0, proc.stdout + proc.stderr + server.log()
+@pytest.fixture(scope="module")
+def server():
+    """One plain server for the tests that only drive one (the compare tests launch their own)."""
+    with RemoteServer(["--max-model-len", "2048"]) as s:
+        yield s
+
+
+def test_burst_against_sluice_serve(server: RemoteServer, tmp_path: Path):
+    proc = _bench(server.base_url, tmp_path / "run")
+    assert proc.returncode == 0, proc.stdout + proc.stderr + server.log()
     out = tmp_path / "run"
     assert "Aggregate output throughput" in proc.stdout
     assert "workflows:" in proc.stderr                       # the progress display's final line
@@ -87,7 +93,7 @@ def test_burst_against_sluice_serve(tmp_path: Path):
     assert summary["runs"][0]["prompt_tokens_server"]["count"] == len(lines)
 
 
-def test_the_runner_tells_when_a_workflows_first_call_reached_the_server():
+def test_the_runner_tells_when_a_workflows_first_call_reached_the_server(server: RemoteServer):
     """`--admission load` counts a workflow it admitted against the server's room until the
     workflow's first call is there: the runner says so on that call's first chunk (and once more
     when the call ends, in case it had none)."""
@@ -106,8 +112,7 @@ def test_the_runner_tells_when_a_workflows_first_call_reached_the_server():
             rec = await runner.run(5)
             return runner, rec.completed
 
-    with RemoteServer(["--max-model-len", "2048"]) as server:
-        runner, completed = asyncio.run(main(server.base_url))
+    runner, completed = asyncio.run(main(server.base_url))
     assert completed and len(runner.calls) == make_workflow(_workload(), 5).num_steps
     first = runner.calls[0]
     assert [(i, n) for i, _, n in arrivals] == [(5, 0), (5, 0)]     # during the first call, twice
@@ -172,18 +177,17 @@ def test_compare_launches_each_side_and_pairs_the_repeats(tmp_path: Path, order:
     assert "A/B by repeat" in proc.stdout and "(95% CI 1.00-1.00)" in proc.stdout and f"order: {order}" in (out / "compare.md").read_text()
 
 
-def test_compare_refuses_to_launch_onto_a_port_something_already_serves(tmp_path: Path):
+def test_compare_refuses_to_launch_onto_a_port_something_already_serves(server: RemoteServer, tmp_path: Path):
     """A server left running on A's port would take A's runs while the launched one fails to
     bind, and nothing in the results would say so (it happened: three A/B comparisons measured a
     leftover server). `compare` refuses before launching anything."""
-    with RemoteServer(["--max-model-len", "2048"]) as leftover:
-        other = free_port()
-        cmd = [sys.executable, "-m", "sluice.cli", "bench", "compare",
-               "--a", leftover.base_url, "--a-cmd", _serve_cmd(leftover.port),
-               "--b", f"http://127.0.0.1:{other}/v1", "--b-cmd", _serve_cmd(other),
-               "--quiet", *BENCH_ARGS, "--out", str(tmp_path / "cmp")]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-        assert proc.returncode != 0
-        assert f"A: something already answers at {leftover.base_url}" in proc.stderr
-        assert "starting" not in proc.stderr and not (tmp_path / "cmp" / "compare.json").exists()
-        assert httpx.get(leftover.url + "/health", timeout=5).status_code == 200   # left alone
+    leftover, other = server, free_port()
+    cmd = [sys.executable, "-m", "sluice.cli", "bench", "compare",
+           "--a", leftover.base_url, "--a-cmd", _serve_cmd(leftover.port),
+           "--b", f"http://127.0.0.1:{other}/v1", "--b-cmd", _serve_cmd(other),
+           "--quiet", *BENCH_ARGS, "--out", str(tmp_path / "cmp")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert f"A: something already answers at {leftover.base_url}" in proc.stderr
+    assert "starting" not in proc.stderr and not (tmp_path / "cmp" / "compare.json").exists()
+    assert httpx.get(leftover.url + "/health", timeout=5).status_code == 200   # left alone
