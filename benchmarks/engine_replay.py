@@ -8,12 +8,13 @@ measures what the server and the client cost; its step trace shows what the engi
     .venv/bin/python benchmarks/engine_replay.py [--workflows 32] [--concurrency 32]
         [--max-num-batched-tokens 512] [--policy workflow] [--backend auto] [--step-trace PATH]
         [--speculative-config '{"method": "ngram"}'] [--kv-cache-tokens 24064] [--admission load]
-        [--phases]
+        [--max-active-workflows N] [--phases]
 """
 from __future__ import annotations
 
 import argparse
 import heapq
+import json
 import statistics
 import time
 from pathlib import Path
@@ -35,6 +36,8 @@ def main() -> None:
     ap.add_argument("--policy", default="workflow")
     ap.add_argument("--aging-s", type=float, default=SchedulerConfig.aging_s)
     ap.add_argument("--decode-yield-steps", type=int, default=SchedulerConfig.decode_yield_steps)
+    ap.add_argument("--max-active-workflows", type=int, default=SchedulerConfig.max_active_workflows,
+                    help="as `sluice serve`'s flag (with --admission load)")
     ap.add_argument("--backend", default="auto")
     ap.add_argument("--kv-cache-gib", type=float, default=1.0)
     ap.add_argument("--kv-cache-tokens", type=int, default=None, help="instead of --kv-cache-gib")
@@ -44,6 +47,8 @@ def main() -> None:
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--step-trace", default=None)
     ap.add_argument("--speculative-config", default=None, help="as `sluice serve`'s flag")
+    ap.add_argument("--calls-out", default=None,
+                    help="write one JSON line per call: id, uncached prompt tokens, submit and first-token times")
     ap.add_argument("--phases", action="store_true",
                     help="time the model's forward, the LM head and the sampler apart and print the split")
     args = ap.parse_args()
@@ -56,7 +61,8 @@ def main() -> None:
                else CacheConfig(kv_cache_gib=args.kv_cache_gib, block_size=args.block_size)),
         scheduler=SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=args.max_num_batched_tokens,
                                   max_model_len=mcfg.max_position_embeddings, policy=args.policy,
-                                  aging_s=args.aging_s, decode_yield_steps=args.decode_yield_steps),
+                                  aging_s=args.aging_s, decode_yield_steps=args.decode_yield_steps,
+                                  max_active_workflows=args.max_active_workflows),
         attention_backend=args.backend, step_trace_path=args.step_trace,
         speculative=parse_speculative_config(args.speculative_config)))
     tok = eng.tokenizer
@@ -94,6 +100,7 @@ def main() -> None:
             slots -= 1
 
     first: dict[str, float] = {}
+    calls_out = open(args.calls_out, "w") if args.calls_out else None
     admit()
     while eng.has_unfinished() or due or pending:
         now = time.monotonic()
@@ -112,6 +119,10 @@ def main() -> None:
             if rid not in first and out.outputs[0].token_ids:
                 first[rid] = time.monotonic()
                 ttft.append(first[rid] - started[rid])
+                if calls_out is not None:
+                    calls_out.write(json.dumps({
+                        "id": rid, "submit": round(started[rid] - t0, 4), "first": round(first[rid] - t0, 4),
+                        "prompt_tokens": len(out.prompt_token_ids), "cached_tokens": out.num_cached_tokens}) + "\n")
             if not out.finished:
                 continue
             n = len(out.outputs[0].token_ids)
