@@ -8,7 +8,7 @@ measures what the server and the client cost; its step trace shows what the engi
     .venv/bin/python benchmarks/engine_replay.py [--workflows 32] [--concurrency 32]
         [--max-num-batched-tokens 512] [--policy workflow] [--backend auto] [--step-trace PATH]
         [--speculative-config '{"method": "ngram"}'] [--kv-cache-tokens 24064] [--admission load]
-        [--max-active-workflows N] [--phases]
+        [--max-active-workflows N] [--calls-out PATH] [--phases]
 """
 from __future__ import annotations
 
@@ -48,7 +48,7 @@ def main() -> None:
     ap.add_argument("--step-trace", default=None)
     ap.add_argument("--speculative-config", default=None, help="as `sluice serve`'s flag")
     ap.add_argument("--calls-out", default=None,
-                    help="write one JSON line per call: id, uncached prompt tokens, submit and first-token times")
+                    help="write one JSON line per call: id, submit and first-token times, prompt and cached tokens")
     ap.add_argument("--phases", action="store_true",
                     help="time the model's forward, the LM head and the sampler apart and print the split")
     args = ap.parse_args()
@@ -137,6 +137,8 @@ def main() -> None:
             else:
                 slots += 1
     wall = time.monotonic() - t0
+    if calls_out is not None:
+        calls_out.close()
     q = statistics.quantiles(ttft, n=10)
     q99 = statistics.quantiles(ttft, n=100)[98]
     print(f"{args.workflows} workflows, concurrency {args.concurrency}, budget {args.max_num_batched_tokens}, "
