@@ -238,6 +238,8 @@ class LLMEngine:
             "prefills": len(pre), "prefill_tokens": sum(n for _, n in pre),
             "prefill_ctx": sum(r.num_computed_tokens for r, _ in pre),
             "running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
+            # after the step: prompt tokens still to compute, and workflows in flight
+            "backlog": self.scheduler.prefill_backlog(), "workflows": self.scheduler.workflows.num_active,
         }
         self._trace.write(json.dumps(rec) + "\n")
 
