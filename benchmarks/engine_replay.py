@@ -8,7 +8,7 @@ measures what the server and the client cost; its step trace shows what the engi
     .venv/bin/python benchmarks/engine_replay.py [--workflows 32] [--concurrency 32]
         [--max-num-batched-tokens 512] [--policy workflow] [--backend auto] [--step-trace PATH]
         [--speculative-config '{"method": "ngram"}'] [--kv-cache-tokens 24064] [--admission load]
-        [--max-active-workflows N] [--calls-out PATH] [--phases]
+        [--max-active-workflows N|auto|none] [--calls-out PATH] [--phases]
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 from sluice.bench.workload import RequestTarget, WorkloadConfig, make_workflow, synthetic_bodies
-from sluice.cli import parse_speculative_config
+from sluice.cli import parse_max_active_workflows, parse_speculative_config
 from sluice.config import CacheConfig, EngineConfig, SchedulerConfig
 from sluice.engine.llm_engine import LLMEngine, WorkflowInfo
 from sluice.model.loader import load_model_config, resolve_model_path
@@ -36,8 +36,9 @@ def main() -> None:
     ap.add_argument("--policy", default="workflow")
     ap.add_argument("--aging-s", type=float, default=SchedulerConfig.aging_s)
     ap.add_argument("--decode-yield-steps", type=int, default=SchedulerConfig.decode_yield_steps)
-    ap.add_argument("--max-active-workflows", type=int, default=SchedulerConfig.max_active_workflows,
-                    help="as `sluice serve`'s flag (with --admission load)")
+    ap.add_argument("--max-active-workflows", type=parse_max_active_workflows,
+                    default=SchedulerConfig.max_active_workflows,
+                    help="as `sluice serve`'s flag, default auto (with --admission load)")
     ap.add_argument("--backend", default="auto")
     ap.add_argument("--kv-cache-gib", type=float, default=1.0)
     ap.add_argument("--kv-cache-tokens", type=int, default=None, help="instead of --kv-cache-gib")
@@ -100,6 +101,7 @@ def main() -> None:
             slots -= 1
 
     first: dict[str, float] = {}
+    in_flight: list[tuple[int, int]] = []   # after each step: workflows in flight, their bound
     calls_out = open(args.calls_out, "w") if args.calls_out else None
     admit()
     while eng.has_unfinished() or due or pending:
@@ -114,7 +116,10 @@ def main() -> None:
         if not eng.has_unfinished():
             time.sleep(max(0.0, min(0.05, due[0][0] - now)) if due else 0.0)
             continue
-        for out in eng.step():
+        outs = eng.step()
+        lim = eng.scheduler.workflow_limit
+        in_flight.append((eng.scheduler.workflows.num_active, lim.value or 0))
+        for out in outs:
             rid = out.request_id
             if rid not in first and out.outputs[0].token_ids:
                 first[rid] = time.monotonic()
@@ -154,6 +159,15 @@ def main() -> None:
         print(f"speculation: {st.spec_draft_tokens_total} draft tokens in {st.spec_drafts_total} verifications, "
               f"{st.spec_accepted_tokens_total / st.spec_draft_tokens_total:.0%} accepted, "
               f"{st.spec_accepted_tokens_total / st.spec_drafts_total:.2f} accepted per verification")
+    lim = eng.scheduler.workflow_limit
+    active = [a for a, _ in in_flight]
+    line = f"workflows in flight per step: mean {statistics.mean(active):.1f}, max {max(active)}"
+    if lim.auto:
+        bounds = [b for _, b in in_flight]
+        line += (f"; auto bound: mean {statistics.mean(bounds):.1f}, range {min(bounds)}-{max(bounds)}, "
+                 f"final {lim.value}, {lim.adjustments} adjustments, last overhead "
+                 f"{lim.last_overhead if lim.last_overhead is not None else float('nan'):.1%}")
+    print(line)
     if phases is not None:
         for name, (secs, calls, rows) in phases.items():
             print(f"{name}: {secs:.1f} s of {wall:.1f} ({secs / wall:.0%}), {calls} calls, "

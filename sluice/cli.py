@@ -37,9 +37,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--admit-backlog-steps", type=float, default=2.0, metavar="STEPS",
                    help="GET /load welcomes no new workflow while this many steps' token budgets of "
                         "prompt tokens wait to be computed (default 2)")
-    p.add_argument("--max-active-workflows", type=int, default=None, metavar="N",
+    p.add_argument("--max-active-workflows", type=parse_max_active_workflows, default="auto",
+                   metavar="N|auto|none",
                    help="GET /load welcomes no new workflow while N are in flight (a call running or "
-                        "waiting, or KV retained for the next call); default: no bound")
+                        "waiting, or KV retained for the next call); auto (the default): the fewest "
+                        "that keep the engine busy, found as it runs; none: no bound")
     p.add_argument("--decode-yield-steps", type=int, default=1, metavar="N",
                    help="while prompt tokens wait, running decodes sit out up to N consecutive steps so "
                         "the prompts get them alone (lower time to first token); 0: every step carries "
@@ -82,6 +84,20 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                         "dropped first; 0 keeps none (default 1024)")
     p.add_argument("--fault-inject-after-steps", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--fault-inject-stall-after-steps", type=int, default=None, help=argparse.SUPPRESS)
+
+
+def parse_max_active_workflows(text: str):
+    """`--max-active-workflows`: a positive integer, `auto`, or `none` (no bound: None)."""
+    word = text.strip().lower()
+    if word in ("auto", "none"):
+        return None if word == "none" else "auto"
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, 'auto' or 'none', got {text!r}") from None
+    if n <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, 'auto' or 'none', got {n}")
+    return n
 
 
 def parse_speculative_config(text: Optional[str]):

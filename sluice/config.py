@@ -5,7 +5,7 @@ The CLI builds these once; nothing deeper in the engine reads environment variab
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
@@ -99,9 +99,10 @@ class SchedulerConfig:
     # wait to be computed (None: no such bound). See Scheduler.admissible_workflows.
     admit_backlog_steps: Optional[float] = 2.0
     # `GET /load` welcomes no new workflow while this many are in flight: a call running or
-    # waiting, or KV retained for its next call (None: no such bound). See
+    # waiting, or KV retained for its next call ("auto": the fewest that keep the engine busy,
+    # found as it runs, see engine/admission.py; None: no such bound). See
     # Scheduler.admissible_workflows.
-    max_active_workflows: Optional[int] = None
+    max_active_workflows: Optional[Union[int, str]] = "auto"
     # While prompt tokens wait, running decodes sit out up to this many consecutive steps, so
     # the prompts get those steps alone and their first tokens come one decode pass sooner
     # (0: every step carries every running decode first). See Scheduler.schedule.
@@ -112,8 +113,9 @@ class SchedulerConfig:
             raise ValueError("scheduler limits must be positive")
         if self.admit_backlog_steps is not None and self.admit_backlog_steps <= 0:
             raise ValueError("admit_backlog_steps must be positive (or None for no bound)")
-        if self.max_active_workflows is not None and self.max_active_workflows <= 0:
-            raise ValueError("max_active_workflows must be positive (or None for no bound)")
+        m = self.max_active_workflows
+        if m is not None and m != "auto" and (not isinstance(m, int) or m <= 0):
+            raise ValueError('max_active_workflows must be a positive integer, "auto", or None for no bound')
         if self.decode_yield_steps < 0:
             raise ValueError("decode_yield_steps must be >= 0")
 

@@ -44,6 +44,7 @@ def create_scheduler(
     starvation_s: Optional[float] = None,
     admit_backlog_steps: Optional[float] = 2.0,
     decode_yield_steps: int = SchedulerConfig.decode_yield_steps,
+    max_active_workflows=None,
 ) -> Scheduler:
     """A scheduler over a real BlockPool, driven by a FakeClock (`scheduler.clock`)."""
     config = SchedulerConfig(
@@ -58,6 +59,7 @@ def create_scheduler(
         starvation_s=starvation_s,
         admit_backlog_steps=admit_backlog_steps,
         decode_yield_steps=decode_yield_steps,
+        max_active_workflows=max_active_workflows,
     )
     cache = CacheConfig(block_size=block_size, enable_prefix_caching=enable_prefix_caching)
     return Scheduler(config, cache, num_blocks, clock=FakeClock(), speculative=speculative)

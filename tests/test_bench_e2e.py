@@ -15,7 +15,7 @@ import httpx
 import matplotlib.image as mpimg
 import pytest
 
-from server_utils import RemoteServer, free_port
+from server_utils import RemoteServer, free_port, metric, scrape_metrics
 from sluice.bench.client import Endpoint, make_http_client
 from sluice.bench.progress import Progress
 from sluice.bench.run import fetch_model
@@ -191,3 +191,47 @@ def test_compare_refuses_to_launch_onto_a_port_something_already_serves(server: 
     assert f"A: something already answers at {leftover.base_url}" in proc.stderr
     assert "starting" not in proc.stderr and not (tmp_path / "cmp" / "compare.json").exists()
     assert httpx.get(leftover.url + "/health", timeout=5).status_code == 200   # left alone
+
+
+def test_the_auto_bound_on_workflows_in_flight_rises_while_small_steps_leave_the_engine_idle(tmp_path: Path):
+    """`sluice serve` (`--max-active-workflows auto`, the default) driven by `sluice bench
+    sustained --admission load` with more client slots than the initial bound: `/load` reports
+    the bound, it starts at
+    WorkflowLimit.INITIAL, and with this tiny workload (steps of a few rows, mostly fixed cost)
+    it rises; every admitted workflow completes, and `/metrics` shows the overhead it follows."""
+    from sluice.engine.admission import WorkflowLimit
+
+    with RemoteServer(["--max-model-len", "2048"]) as s:
+        load = httpx.get(s.url + "/load").json()
+        assert load["max_active_workflows"] == WorkflowLimit.INITIAL and load["active_workflows"] == 0
+        seen: list[tuple[int, int]] = []
+
+        async def watch(stop: asyncio.Event) -> None:
+            async with httpx.AsyncClient() as http:
+                while not stop.is_set():
+                    got = (await http.get(s.url + "/load")).json()
+                    seen.append((got["active_workflows"], got["max_active_workflows"]))
+                    await asyncio.sleep(0.25)
+
+        async def main() -> subprocess.CompletedProcess[str]:
+            stop = asyncio.Event()
+            watcher = asyncio.create_task(watch(stop))
+            cmd = [sys.executable, "-m", "sluice.cli", "bench", "sustained", "--base-url", s.base_url,
+                   "--concurrency", "12", "--window", "25", "--admission", "load", "--scale", "0.1",
+                   "--seed", "3", "--out", str(tmp_path / "run")]
+            proc = await asyncio.to_thread(subprocess.run, cmd, capture_output=True, text=True, timeout=600)
+            stop.set()
+            await watcher
+            return proc
+
+        proc = asyncio.run(main())
+        assert proc.returncode == 0, proc.stdout + proc.stderr + s.log()
+        summary = json.loads((tmp_path / "run" / "results.json").read_text())["runs"][0]["summary"]
+        assert summary["completed_workflows"] == summary["admitted_workflows"] > WorkflowLimit.INITIAL
+        assert summary["errors"] == {}
+        bounds = [b for _, b in seen]
+        assert min(bounds) >= WorkflowLimit.MINIMUM and max(bounds) > WorkflowLimit.INITIAL, seen
+        assert max(a for a, _ in seen) > WorkflowLimit.INITIAL
+        samples = scrape_metrics(s)
+        assert metric(samples, "sluice:max_active_workflows") >= WorkflowLimit.MINIMUM
+        assert 0.0 <= metric(samples, "sluice:engine_overhead") <= 1.0

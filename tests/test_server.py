@@ -311,7 +311,8 @@ def test_continue_final_message_continues_the_assistant_turn(
 
 def test_load_and_metrics(server: RemoteServer) -> None:
     load = httpx.get(server.url + "/load").json()
-    assert set(load) == {"running", "waiting", "waiting_tokens", "kv_usage", "accepting", "admissible_workflows"}
+    assert set(load) == {"running", "waiting", "waiting_tokens", "kv_usage", "accepting", "admissible_workflows",
+                         "active_workflows", "max_active_workflows"}
     assert load["accepting"] is True and 0.0 <= load["kv_usage"] <= 1.0
     assert load["admissible_workflows"] >= 1
     samples = scrape_metrics(server)
@@ -324,7 +325,7 @@ def test_load_and_metrics(server: RemoteServer) -> None:
         "sluice:generation_tokens_total", "sluice:time_to_first_token_seconds_bucket",
         "sluice:inter_token_latency_seconds_bucket", "sluice:e2e_request_latency_seconds_count",
         "sluice:request_success_total", "sluice:accepting_requests", "sluice:admissible_workflows",
-        "sluice:decode_yield_steps_total",
+        "sluice:decode_yield_steps_total", "sluice:active_workflows", "sluice:max_active_workflows",
     ]:
         assert name in names, name
     assert metric(samples, "sluice:admissible_workflows") >= 1

@@ -19,6 +19,7 @@ from sched_utils import (
     TOKEN,
     unique_prompt,
 )
+from sluice.engine.admission import WorkflowLimit
 from sluice.engine.errors import RequestRejected
 from sluice.engine.request import RequestStatus
 
@@ -838,8 +839,7 @@ def test_max_active_workflows_bounds_admissions_until_a_workflow_ends():
     """With `max_active_workflows`, `/load` welcomes new workflows only up to the bound, counting
     a workflow in flight while a call of it runs or waits and while its KV is retained for the
     next call; a workflow that ends (its last step finished) makes room again."""
-    s = create_scheduler(num_blocks=4000, retention_ttl_s=100.0)
-    s.config = dataclasses.replace(s.config, max_active_workflows=2)
+    s = create_scheduler(num_blocks=4000, retention_ttl_s=100.0, max_active_workflows=2)
     assert s.admissible_workflows() == 2
     create_request(s, "a1", 40, max_tokens=4, ignore_eos=True, workflow_id="a")
     assert s.admissible_workflows() == 1
@@ -853,12 +853,12 @@ def test_max_active_workflows_bounds_admissions_until_a_workflow_ends():
     assert s.workflows.num_active == 1
     drain(s)
     assert s.workflows.num_active == 0 and s.admissible_workflows() == 2
-    s.config = dataclasses.replace(s.config, max_active_workflows=None)
+    s.workflow_limit = WorkflowLimit()       # no bound
     assert s.admissible_workflows() > 2
     assert_all_released(s)
 
 
-def test_max_active_workflows_is_a_server_flag_and_must_be_positive():
+def test_max_active_workflows_is_a_server_flag_auto_by_default_and_must_be_positive():
     import argparse
 
     from sluice.cli import add_engine_args, build_engine_config
@@ -866,11 +866,18 @@ def test_max_active_workflows_is_a_server_flag_and_must_be_positive():
 
     parser = argparse.ArgumentParser()
     add_engine_args(parser)
-    assert build_engine_config(parser.parse_args([])).scheduler.max_active_workflows is None
+    assert build_engine_config(parser.parse_args([])).scheduler.max_active_workflows == "auto"
+    assert SchedulerConfig().max_active_workflows == "auto"
     cfg = build_engine_config(parser.parse_args(["--max-active-workflows", "16"]))
     assert cfg.scheduler.max_active_workflows == 16
-    with pytest.raises(ValueError, match="max_active_workflows"):
-        SchedulerConfig(max_active_workflows=0)
+    cfg = build_engine_config(parser.parse_args(["--max-active-workflows", "none"]))
+    assert cfg.scheduler.max_active_workflows is None
+    for bad in ("0", "-3", "many"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["--max-active-workflows", bad])
+    for bad in (0, "eight", 2.5):
+        with pytest.raises(ValueError, match="max_active_workflows"):
+            SchedulerConfig(max_active_workflows=bad)
 
 
 def test_a_full_sequence_table_with_a_queue_is_not_welcoming():

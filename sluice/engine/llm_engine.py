@@ -15,6 +15,7 @@ import torch
 
 from sluice.attention import create_backend
 from sluice.config import EngineConfig
+from sluice.engine.admission import StepShape
 from sluice.engine.detokenizer import IncrementalDetokenizer
 from sluice.engine.errors import RequestRejected
 from sluice.engine.cache_plan import plan_for
@@ -209,6 +210,7 @@ class LLMEngine:
 
     # --- the step ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        start = time.perf_counter()
         outputs, self._pending = self._pending, []
         sched = self.scheduler.schedule()
         if sched.empty:
@@ -221,15 +223,36 @@ class LLMEngine:
         logprobs = self._logprobs_by_request(sched, result.logprobs)
         updated = self.scheduler.update_from_output(sched, result.sampled_token_ids)
         outputs.extend(self._process(updated, logprobs))
-        if self._trace is not None:
-            self._trace_step(sched, t0, t1)
+        limit = self.scheduler.workflow_limit
+        if self._trace is not None or limit.auto:
+            dec, pre = self._split(sched)
+            if limit.auto:
+                limit.observe_step(start, time.perf_counter(), self._shape(sched, dec, pre),
+                                   self.scheduler.workflows.num_active)
+            if self._trace is not None:
+                self._trace_step(sched, dec, pre, t0, t1)
         return outputs
 
-    def _trace_step(self, sched: SchedulerOutput, t0: float, t1: float) -> None:
-        """One JSON line per step (`step_trace_path`): its shape, and where its time went."""
+    @staticmethod
+    def _split(sched: SchedulerOutput) -> tuple[list[Request], list[tuple[Request, int]]]:
+        """The step's decodes (with or without drafts) and its prefill chunks."""
         spec = sched.spec_tokens
         dec = [r for r, n in sched.scheduled if n == 1 or r.request_id in spec]
         pre = [(r, n) for r, n in sched.scheduled if n != 1 and r.request_id not in spec]
+        return dec, pre
+
+    @staticmethod
+    def _shape(sched: SchedulerOutput, dec: list[Request], pre: list[tuple[Request, int]]) -> StepShape:
+        # A chunk of n tokens after c computed ones attends to c + n/2 tokens on average.
+        return StepShape(rows=len(dec) + sum(len(d) for d in sched.spec_tokens.values()),
+                         prompt_tokens=sum(n for _, n in pre),
+                         prompt_attn=sum(n * (r.num_computed_tokens + n / 2) for r, n in pre) / 1e3,
+                         decode_ctx=sum(r.num_computed_tokens for r in dec) / 1e3)
+
+    def _trace_step(self, sched: SchedulerOutput, dec: list[Request], pre: list[tuple[Request, int]],
+                    t0: float, t1: float) -> None:
+        """One JSON line per step (`step_trace_path`): its shape, and where its time went."""
+        spec = sched.spec_tokens
         rec = {
             "t": round(t0, 4), "forward_ms": round((t1 - t0) * 1e3, 2),
             "post_ms": round((time.perf_counter() - t1) * 1e3, 2),
@@ -240,6 +263,7 @@ class LLMEngine:
             "running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
             # after the step: prompt tokens still to compute, and workflows in flight
             "backlog": self.scheduler.prefill_backlog(), "workflows": self.scheduler.workflows.num_active,
+            "limit": self.scheduler.workflow_limit.value,
         }
         self._trace.write(json.dumps(rec) + "\n")
 

@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 from sluice.config import CacheConfig, SchedulerConfig, SpeculativeConfig
+from sluice.engine.admission import WorkflowLimit
 from sluice.engine.block_pool import BlockPool
 from sluice.engine.errors import RequestRejected
 from sluice.engine.kv_cache_manager import KVCacheManager
@@ -98,6 +99,9 @@ class Scheduler:
         self.states = StatePool(state) if state is not None else None
         self.workflows = WorkflowTracker(self.pool, config.retention_ttl_s)
         self.policy = create_policy(config, self.workflows)
+        m = config.max_active_workflows
+        self.workflow_limit = (WorkflowLimit(auto=True, maximum=config.max_num_seqs) if m == "auto"
+                               else WorkflowLimit(fixed=m))
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -179,8 +183,9 @@ class Scheduler:
             backlog_room = c.admit_backlog_steps * c.max_num_batched_tokens - self.prefill_backlog()
             if backlog_room <= 0:
                 return 0
-        if c.max_active_workflows is not None:
-            room = c.max_active_workflows - self.workflows.num_active
+        bound = self.workflow_limit.value
+        if bound is not None:
+            room = bound - self.workflows.num_active
             if room <= 0:
                 return 0
         call = self.typical_call_blocks
@@ -191,7 +196,7 @@ class Scheduler:
         n = min(n, max(1, c.max_num_seqs - len(self.running) - len(self.waiting)))
         if c.max_waiting_requests is not None:
             n = min(n, c.max_waiting_requests - len(self.waiting))
-        if c.max_active_workflows is not None:
+        if bound is not None:
             n = min(n, room)
         if backlog_room < math.inf:
             n = min(n, max(1, math.ceil(backlog_room / max(1.0, self.typical_first_prompt_tokens))))
@@ -694,6 +699,10 @@ class Scheduler:
             num_workflows=len(self.workflows.workflows),
             admissible_workflows=self.admissible_workflows(),
             decode_yield_steps=self.decode_yield_steps_total,
+            active_workflows=self.workflows.num_active,
+            max_active_workflows=self.workflow_limit.value or 0,
+            engine_overhead=(self.workflow_limit.last_overhead
+                             if self.workflow_limit.last_overhead is not None else -1.0),
             engine_stalls=engine_stalls,
             state_slots_total=st.layout.num_seq_slots if st else 0,
             state_slots_used=st.num_held if st else 0,

@@ -76,6 +76,14 @@ class _EngineStatsCollector(Collector):
                           1.0 if s.accepting else 0.0)
         yield self._gauge("sluice:admissible_workflows", "New workflows admission control welcomes now.",
                           float(s.admissible_workflows))
+        yield self._gauge("sluice:active_workflows", "Workflows in flight: a call running or waiting, or KV "
+                          "retained for the next.", s.active_workflows)
+        yield self._gauge("sluice:max_active_workflows", "The bound on workflows in flight that GET /load keeps "
+                          "(0: none; with --max-active-workflows auto, the engine's current choice).",
+                          s.max_active_workflows)
+        if s.engine_overhead >= 0:
+            yield self._gauge("sluice:engine_overhead", "Share of the engine's last control period spent on "
+                              "per-step fixed cost or idle (--max-active-workflows auto).", s.engine_overhead)
         yield self._counter("sluice:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
                             s.prefix_cache_queries)
         yield self._counter("sluice:prefix_cache_hits", "Prompt tokens served by the prefix cache.",

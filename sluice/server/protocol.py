@@ -643,3 +643,6 @@ class LoadInfo(BaseModel):
     # How many new workflows are welcome now (0 unless accepting). A router admitting on this
     # should count its own admissions whose calls have not reached the server yet against it.
     admissible_workflows: int
+    # Workflows in flight, and the bound `admissible_workflows` keeps on them (null: none).
+    active_workflows: int = 0
+    max_active_workflows: Optional[int] = None

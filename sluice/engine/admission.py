@@ -1,0 +1,153 @@
+"""How many workflows `GET /load` lets in flight: a fixed bound, or one the engine finds itself.
+
+Under a steady stream of agent workflows, a workflow admitted beyond what keeps the machine busy
+adds little throughput: its calls mostly queue, and every call in flight waits longer for its
+first token and for each next one (docs/benchmarks.md, sessions 32-33: on the 2-core AVX2 host,
+8 workflows in flight instead of ~30 cost 0-7% of the throughput and gave 4-5x the per-request
+generation speed and a ~1.7x lower TTFT p50). How many is enough depends on the machine and the
+model, so `max_active_workflows="auto"` lets the engine find it.
+
+The signal is the engine's *overhead*: the share of the wall clock spent on what a step costs
+regardless of what it carries, plus idle time. A step costs a fixed part (~19 ms for SmolLM2-135M
+on that host, above all reading the weights through the cores once) plus a part that grows
+with its rows, prompt tokens and the K/V they attend to. Fewer workflows mean smaller steps and
+more of them for the same tokens, so more fixed cost per token, and more idle time while every
+admitted workflow waits on a tool; that is what bounding the workflows costs in throughput
+(session 33's replay: the extra steps times the fixed cost account for 44 of the 60 s that 4
+workflows in flight took longer than ~23, and 17 of the 21 s that 8 did). A machine at overhead O can give at
+most 1/(1-O) times its throughput by admitting more. So the controller raises the bound while
+the overhead is above `OVERHEAD_HIGH` and lowers it while it is below `OVERHEAD_LOW`: the
+fewest workflows that keep the fixed cost and idling between the two. The band is the trade
+between throughput and latency.
+
+The fixed part is not configured but measured: the intercept of a least-squares fit of each
+step's wall time on its shape over the last 512 steps. The bound follows a moving average of the
+periods' overheads, moves by one (more when far above the band) at most once per `PERIOD_S`,
+and only while it binds: it rises only while as many workflows as it allows are in flight, and
+falls only while no more than it allows are (lowering it takes effect as workflows finish, so it
+must not keep falling meanwhile).
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """What a step carried, the regressors of its cost."""
+    rows: int             # sequences' rows computed: decodes, drafts, prefill chunks' last rows
+    prompt_tokens: int    # prefill tokens
+    prompt_attn: float    # prefill tokens x the context they attend to, in 1k tokens
+    decode_ctx: float     # decodes' context, in 1k tokens
+
+    def features(self) -> tuple[float, ...]:
+        return (1.0, float(self.rows), float(self.prompt_tokens), self.prompt_attn, self.decode_ctx)
+
+
+class StepCostModel:
+    """Least squares of step time on `StepShape` over the last `window` steps."""
+
+    MIN_STEPS = 32
+
+    def __init__(self, window: int = 512) -> None:
+        self._x: deque[tuple[float, ...]] = deque(maxlen=window)
+        self._y: deque[float] = deque(maxlen=window)
+
+    def observe(self, shape: StepShape, seconds: float) -> None:
+        self._x.append(shape.features())
+        self._y.append(seconds)
+
+    def __len__(self) -> int:
+        return len(self._y)
+
+    def fixed_cost(self) -> Optional[float]:
+        """A step's fixed cost in seconds (the fit's intercept); None until enough steps were seen,
+        or when they do not determine it (all of one shape) or it comes out outside (0, the
+        median step)."""
+        if len(self._y) < self.MIN_STEPS:
+            return None
+        x, y = np.asarray(self._x), np.asarray(self._y)
+        coef, _, rank, _ = np.linalg.lstsq(x, y, rcond=None)
+        if rank < x.shape[1]:
+            # Columns that never vary (no prefill in the window, say) leave the intercept free;
+            # fit without them.
+            keep = [0] + [j for j in range(1, x.shape[1]) if np.ptp(x[:, j]) > 0]
+            if len(keep) == 1:
+                return None
+            coef, _, rank, _ = np.linalg.lstsq(x[:, keep], y, rcond=None)
+            if rank < len(keep):
+                return None
+        fixed = float(coef[0])
+        if not 0.0 < fixed < float(np.median(y)):
+            return None
+        return fixed
+
+
+class WorkflowLimit:
+    """The bound on workflows in flight: `fixed`, or found by the controller above (`auto`)."""
+
+    OVERHEAD_HIGH = 0.15
+    OVERHEAD_LOW = 0.10
+    PERIOD_S = 5.0
+    SMOOTHING = 0.3      # weight of the newest period in the overhead the bound follows
+    INITIAL = 4
+    MINIMUM = 2
+
+    def __init__(self, fixed: Optional[int] = None, auto: bool = False, maximum: int = 64,
+                 initial: Optional[int] = None) -> None:
+        assert not (auto and fixed is not None), "a bound is either fixed or automatic"
+        self.auto = auto
+        self.maximum = max(1, maximum)
+        start = initial if initial is not None else self.INITIAL
+        self.value: Optional[int] = fixed if not auto else max(self.MINIMUM, min(self.maximum, start))
+        self.cost = StepCostModel()
+        self._period_start: Optional[float] = None
+        self._last_end: Optional[float] = None
+        self._busy = 0.0        # seconds of steps this period
+        self._steps = 0
+        self._peak_active = 0   # most workflows in flight at a step's end this period
+        self.last_overhead: Optional[float] = None
+        self.adjustments = 0
+
+    def observe_step(self, start: float, end: float, shape: StepShape, active: int) -> None:
+        """A step ran from `start` to `end` (seconds, the engine's clock) carrying `shape`, and
+        `active` workflows are in flight after it. Adjusts the bound when a period is over."""
+        if not self.auto:
+            return
+        self.cost.observe(shape, end - start)
+        if self._period_start is None or start - self._last_end > self.PERIOD_S:
+            # The first step, or the first after a whole period without any: nothing was offered
+            # then, which is no overhead of the bound's (a tool call takes seconds, not periods).
+            self._period_start, self._busy, self._steps, self._peak_active = start, 0.0, 0, 0
+        self._last_end = end
+        self._busy += end - start
+        self._steps += 1
+        self._peak_active = max(self._peak_active, active)
+        if end - self._period_start >= self.PERIOD_S:
+            self._close_period(end, active)
+
+    def _close_period(self, now: float, active: int) -> None:
+        wall = now - self._period_start
+        fixed = self.cost.fixed_cost()
+        if fixed is not None and wall > 0:
+            idle = max(0.0, wall - self._busy)
+            overhead = min(1.0, (self._steps * fixed + idle) / wall)
+            if self.last_overhead is not None:
+                overhead = self.SMOOTHING * overhead + (1 - self.SMOOTHING) * self.last_overhead
+            self.last_overhead = overhead
+            self._adjust(overhead, peak_active=self._peak_active, active=active)
+        self._period_start, self._busy, self._steps, self._peak_active = now, 0.0, 0, active
+
+    def _adjust(self, overhead: float, peak_active: int, active: int) -> None:
+        value = self.value
+        if overhead > self.OVERHEAD_HIGH and peak_active >= value:
+            step = 1 if overhead <= 2 * self.OVERHEAD_HIGH else max(1, value // 4)
+            self.value = min(self.maximum, value + step)
+        elif overhead < self.OVERHEAD_LOW and active <= value:
+            self.value = max(self.MINIMUM, value - 1)
+        if self.value != value:
+            self.adjustments += 1

@@ -1,0 +1,229 @@
+"""The bound on workflows in flight (engine/admission.py): the step-cost fit and the controller
+that finds the fewest workflows keeping the engine busy, driven with hand-built steps."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from sched_utils import create_request, create_scheduler, drain
+from sluice.engine.admission import StepCostModel, StepShape, WorkflowLimit
+
+FIXED = 0.035      # s: a step's fixed cost in the simulated engines below
+PER_ROW = 0.003    # s per decode or draft row
+PER_PROMPT = 0.0018
+
+
+def shape(rows: int, prompt: int = 0, ctx_k: float = 1.0) -> StepShape:
+    return StepShape(rows=rows, prompt_tokens=prompt, prompt_attn=prompt * ctx_k, decode_ctx=rows * ctx_k)
+
+
+def cost(s: StepShape) -> float:
+    return FIXED + PER_ROW * s.rows + PER_PROMPT * s.prompt_tokens + 0.0004 * s.prompt_attn + 0.001 * s.decode_ctx
+
+
+def test_the_fit_recovers_a_steps_fixed_cost_from_noisy_steps():
+    rng = random.Random(0)
+    m = StepCostModel()
+    for i in range(StepCostModel.MIN_STEPS - 1):
+        s = shape(rng.randint(1, 40), rng.choice([0, 0, 128, 512]), rng.uniform(0.2, 2.0))
+        m.observe(s, cost(s) * rng.uniform(0.9, 1.1))
+        assert m.fixed_cost() is None            # too few steps to tell
+    for _ in range(400):
+        s = shape(rng.randint(1, 40), rng.choice([0, 0, 128, 512]), rng.uniform(0.2, 2.0))
+        m.observe(s, cost(s) * rng.uniform(0.9, 1.1))
+    assert m.fixed_cost() == pytest.approx(FIXED, rel=0.25)
+
+
+def test_the_fit_drops_regressors_that_never_vary_and_gives_up_when_none_does():
+    m = StepCostModel()
+    for rows in range(1, 65):                     # decode-only steps: no prompt column varies
+        s = shape(rows % 16 + 1, ctx_k=0.5 + rows % 3)
+        m.observe(s, cost(s))
+    assert m.fixed_cost() == pytest.approx(FIXED, rel=1e-6)
+    same = StepCostModel()
+    for _ in range(64):                           # one shape only: the intercept is undetermined
+        same.observe(shape(8), cost(shape(8)))
+    assert same.fixed_cost() is None
+    # A fit whose intercept is not a plausible fixed cost (negative) is no answer either.
+    neg = StepCostModel()
+    for rows in range(1, 65):
+        neg.observe(shape(rows), 0.004 * rows - 0.002 if rows > 1 else 0.003)
+    assert neg.fixed_cost() is None
+
+
+class Engine:
+    """A closed loop: `active` workflows each alternate a call (its decode rows in every step while
+    it runs) and a tool wait; the bound admits new workflows up to it, and lowering it takes effect
+    only as workflows end. Each step's time is `cost`."""
+
+    def __init__(self, limit: WorkflowLimit, tool_share: float = 0.1, seed: int = 0) -> None:
+        self.limit, self.rng, self.t, self.tool_share = limit, random.Random(seed), 0.0, tool_share
+        self.active = limit.value
+
+    def run(self, seconds: float) -> list[int]:
+        seen = []
+        end = self.t + seconds
+        while self.t < end:
+            in_call = sum(1 for _ in range(self.active) if self.rng.random() > self.tool_share)
+            if in_call == 0:
+                self.t += 0.2                       # everyone on a tool: the engine idles
+                continue
+            s = shape(rows=6 * in_call, prompt=256 if self.rng.random() < PROMPT_SHARE else 0,
+                      ctx_k=self.rng.uniform(0.5, 2.0))
+            start, self.t = self.t, self.t + cost(s)
+            if self.rng.random() < 0.05:            # a workflow ends now and then
+                self.active -= 1
+            if self.active < self.limit.value:      # the client admits up to the bound
+                self.active += 1
+            self.limit.observe_step(start, self.t, s, self.active)
+            seen.append(self.limit.value)
+        return seen
+
+
+PROMPT_SHARE = 0.05   # of the simulated steps carry a 256-token prompt
+
+
+def overhead_at(n: int) -> float:
+    """The fixed cost's share of the mean step of n workflows in the engine above (~no idle)."""
+    rows = 6 * n * (1 - 0.1)
+    prompt = PROMPT_SHARE * 256 * (PER_PROMPT + 0.0004 * 1.25)
+    return FIXED / (FIXED + prompt + (PER_ROW + 0.001 * 1.25) * rows)
+
+
+def test_the_auto_bound_settles_where_the_overhead_enters_the_band():
+    lim = WorkflowLimit(auto=True, maximum=64)
+    assert lim.value == WorkflowLimit.INITIAL
+    bounds = Engine(lim).run(600.0)
+    settled = bounds[len(bounds) // 2:]
+    # The workflows at which this engine's overhead is inside the band.
+    lo = min(n for n in range(1, 64) if overhead_at(n) <= WorkflowLimit.OVERHEAD_HIGH)
+    hi = max(n for n in range(1, 64) if overhead_at(n) >= WorkflowLimit.OVERHEAD_LOW)
+    assert 4 < lo < hi < 20
+    assert lo - 1 <= min(settled) and max(settled) <= hi + 1, (lo, hi, min(settled), max(settled))
+    assert lim.last_overhead is not None and lim.adjustments >= lo - WorkflowLimit.INITIAL
+
+
+def test_a_cheaper_step_per_row_needs_more_workflows():
+    """The same controller on an engine whose fixed cost weighs more against its rows (a faster
+    machine per token) keeps more workflows in flight."""
+    global PER_ROW
+    slow = Engine(WorkflowLimit(auto=True)).run(600.0)
+    saved, PER_ROW = PER_ROW, PER_ROW / 3
+    try:
+        fast = Engine(WorkflowLimit(auto=True)).run(600.0)
+    finally:
+        PER_ROW = saved
+    settled = [sum(b[len(b) // 2:]) / (len(b) - len(b) // 2) for b in (slow, fast)]
+    assert settled[1] > settled[0] + 4, settled
+
+
+def test_the_bound_rises_only_while_it_binds_and_falls_only_once_the_workflows_are_under_it():
+    lim = WorkflowLimit(auto=True)
+    lim.SMOOTHING = 1.0     # each period's overhead alone (the smoothing: the next test)
+    t = 0.0
+
+    def period(rows: int, active: int, idle: float = 0.0) -> None:
+        nonlocal t
+        end = t + WorkflowLimit.PERIOD_S
+        while t < end:
+            s = shape(rows + int(t * 7) % 5, ctx_k=1 + int(t * 3) % 2)   # shapes vary: the fit has an intercept
+            start, t = t, t + cost(s)
+            lim.observe_step(start, t, s, active)
+            t += idle
+
+    for _ in range(3):
+        period(rows=2, active=2)                    # overhead high, but 2 of 4 in flight: no rise
+    assert lim.value == 4 and lim.last_overhead > WorkflowLimit.OVERHEAD_HIGH
+    period(rows=2, active=4)                        # binds: rises
+    assert lim.value == 5
+    period(rows=400, active=9)                      # overhead low, but 9 > 5 still in flight
+    assert lim.value == 5 and lim.last_overhead < WorkflowLimit.OVERHEAD_LOW
+    period(rows=400, active=5)                      # now it may fall
+    assert lim.value == 4
+    for _ in range(10):
+        period(rows=400, active=1)
+    assert lim.value == WorkflowLimit.MINIMUM       # never below the minimum
+    for _ in range(60):
+        period(rows=2, active=64)
+    assert lim.value == 64                          # nor above max_num_seqs
+
+
+def test_idle_time_counts_as_overhead_but_a_pause_in_traffic_does_not():
+    lim = WorkflowLimit(auto=True)
+    lim.SMOOTHING = 1.0
+    t = 0.0
+    for i in range(400):                            # big steps: ~2% fixed cost
+        s = shape(300 + i % 7, ctx_k=1 + i % 2)
+        lim.observe_step(t, t + cost(s), s, 4)
+        t += cost(s)
+    assert lim.last_overhead < WorkflowLimit.OVERHEAD_LOW and lim.value == WorkflowLimit.MINIMUM + 1
+    v = lim.value
+    # Every admitted workflow on a tool half the time: idle counts, the bound rises.
+    for i in range(60):
+        s = shape(300 + i % 7, ctx_k=1 + i % 2)
+        lim.observe_step(t, t + cost(s), s, v)
+        t += cost(s) + 1.5
+    assert lim.value > v and lim.last_overhead > 0.5
+    # Ten minutes without any step (no traffic) are not overhead: the period restarts.
+    v, adjustments = lim.value, lim.adjustments
+    t += 600.0
+    for i in range(40):
+        s = shape(300 + i % 7, ctx_k=1 + i % 2)
+        lim.observe_step(t, t + cost(s), s, v)
+        t += cost(s)
+    assert lim.value <= v and lim.last_overhead < 0.1
+
+
+def test_one_noisy_period_does_not_move_the_bound_across_the_band():
+    """The bound follows a moving average of the periods' overheads: one period outside the band
+    after many inside it is not enough to move it."""
+    lim = WorkflowLimit(auto=True, initial=8)
+    t = 0.0
+
+    def period(rows: int) -> None:
+        nonlocal t
+        end = t + WorkflowLimit.PERIOD_S
+        while t < end:
+            s = shape(rows + int(t * 7) % 3, ctx_k=1 + int(t * 3) % 2)
+            start, t = t, t + cost(s)
+            lim.observe_step(start, t, s, 8)
+
+    inside = next(r for r in range(1, 200) if overhead_at_rows(r) < 0.125)
+    for _ in range(10):
+        period(inside)
+    assert lim.value == 8 and WorkflowLimit.OVERHEAD_LOW < lim.last_overhead < WorkflowLimit.OVERHEAD_HIGH
+    above = next(r for r in range(1, 200) if overhead_at_rows(r) < 0.2)
+    period(above)                                   # one period at ~20% overhead
+    assert lim.value == 8
+    period(above)
+    period(above)                                   # it persists: the bound rises
+    assert lim.value > 8
+
+
+def overhead_at_rows(rows: int) -> float:
+    return FIXED / cost(shape(rows + 1, ctx_k=1.5))
+
+
+def test_a_fixed_bound_never_moves():
+    lim = WorkflowLimit(fixed=8)
+    for i in range(100):
+        lim.observe_step(i * 1.0, i + 0.99, shape(1), 8)
+    assert lim.value == 8 and lim.last_overhead is None and not lim.auto
+    assert WorkflowLimit().value is None
+
+
+def test_the_scheduler_admits_up_to_the_auto_bound():
+    s = create_scheduler(num_blocks=4000, retention_ttl_s=100.0, max_active_workflows="auto",
+                         max_num_seqs=32, admit_backlog_steps=None)
+    lim = s.workflow_limit
+    assert lim.auto and lim.value == WorkflowLimit.INITIAL and lim.maximum == 32
+    assert s.admissible_workflows() == WorkflowLimit.INITIAL
+    for i in range(WorkflowLimit.INITIAL):
+        create_request(s, f"w{i}", 40, max_tokens=4, ignore_eos=True, workflow_id=f"w{i}")
+    assert s.admissible_workflows() == 0
+    lim.value += 2                                  # the controller raised it
+    assert s.admissible_workflows() == 2
+    st = s.stats()
+    assert st.active_workflows == WorkflowLimit.INITIAL and st.max_active_workflows == WorkflowLimit.INITIAL + 2
+    drain(s)
