@@ -3,8 +3,8 @@
 Under a steady stream of agent workflows, a workflow admitted beyond what keeps the machine busy
 adds little throughput: its calls mostly queue, and every call in flight waits longer for its
 first token and for each next one (docs/benchmarks.md, sessions 32-33: on the 2-core AVX2 host,
-8 workflows in flight instead of ~30 cost 0-7% of the throughput and gave 4-5x the per-request
-generation speed and a ~1.7x lower TTFT p50). How many is enough depends on the machine and the
+8 workflows in flight instead of 23-30 cost 0-8% of the throughput and gave 4-5x the
+per-request generation speed and a 1.5-1.7x lower TTFT p50). How many is enough depends on the machine and the
 model, so `max_active_workflows="auto"` lets the engine find it.
 
 The signal is the engine's *overhead*: the share of the wall clock spent on what a step costs
@@ -14,8 +14,8 @@ with its rows, prompt tokens and the K/V they attend to. Fewer workflows mean sm
 more of them for the same tokens, so more fixed cost per token, and more idle time while every
 admitted workflow waits on a tool; that is what bounding the workflows costs in throughput
 (session 33's replay: the extra steps times the fixed cost account for 44 of the 60 s that 4
-workflows in flight took longer than ~23, and 17 of the 21 s that 8 did). A machine at overhead O can give at
-most 1/(1-O) times its throughput by admitting more. So the controller raises the bound while
+workflows in flight took longer than ~23, and 17 of the 21 s that 8 did). A machine at
+overhead O can give at most 1/(1-O) times its throughput by admitting more. So the controller raises the bound while
 the overhead is above `OVERHEAD_HIGH` and lowers it while it is below `OVERHEAD_LOW`: the
 fewest workflows that keep the fixed cost and idling between the two. The band is the trade
 between throughput and latency.
@@ -39,7 +39,7 @@ import numpy as np
 @dataclass(frozen=True)
 class StepShape:
     """What a step carried, the regressors of its cost."""
-    rows: int             # sequences' rows computed: decodes, drafts, prefill chunks' last rows
+    rows: int             # decode and draft rows
     prompt_tokens: int    # prefill tokens
     prompt_attn: float    # prefill tokens x the context they attend to, in 1k tokens
     decode_ctx: float     # decodes' context, in 1k tokens

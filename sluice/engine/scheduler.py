@@ -156,8 +156,9 @@ class Scheduler:
 
     def admissible_workflows(self) -> int:
         """How many new workflows are welcome now (`GET /load`): none when the waiting queue is at
-        a bound, when calls wait for a sequence slot, when `max_active_workflows` are in flight
-        (a call running or waiting, or KV retained for the next), or when the KV cache cannot take
+        a bound, when calls wait for a sequence slot, when as many workflows as `workflow_limit`
+        allows (fixed, or found by the engine: engine/admission.py) are in flight (a call
+        running or waiting, or KV retained for the next), or when the KV cache cannot take
         one more call of typical size on top of the working set of the workflows already admitted
         (`kv_headroom`): a workflow admitted then would only displace the KV of those already
         running or waiting on a tool. Otherwise as many as fit one after another, each taking
