@@ -196,9 +196,9 @@ def test_compare_refuses_to_launch_onto_a_port_something_already_serves(server: 
 def test_the_auto_bound_on_workflows_in_flight_rises_while_small_steps_leave_the_engine_idle(tmp_path: Path):
     """`sluice serve` (`--max-active-workflows auto`, the default) driven by `sluice bench
     sustained --admission load` with more client slots than the initial bound: `/load` reports
-    the bound, it starts at
-    WorkflowLimit.INITIAL, and with this tiny workload (steps of a few rows, mostly fixed cost)
-    it rises; every admitted workflow completes, and `/metrics` shows the overhead it follows."""
+    the bound, it starts at WorkflowLimit.INITIAL, and with this tiny workload (steps of a few
+    rows, mostly fixed cost) it rises; every admitted workflow completes, and `/metrics` shows
+    the overhead it follows."""
     from sluice.engine.admission import WorkflowLimit
 
     with RemoteServer(["--max-model-len", "2048"]) as s:

@@ -701,9 +701,8 @@ class Scheduler:
             admissible_workflows=self.admissible_workflows(),
             decode_yield_steps=self.decode_yield_steps_total,
             active_workflows=self.workflows.num_active,
-            max_active_workflows=self.workflow_limit.value or 0,
-            engine_overhead=(self.workflow_limit.last_overhead
-                             if self.workflow_limit.last_overhead is not None else -1.0),
+            max_active_workflows=self.workflow_limit.value,
+            engine_overhead=self.workflow_limit.last_overhead,
             engine_stalls=engine_stalls,
             state_slots_total=st.layout.num_seq_slots if st else 0,
             state_slots_used=st.num_held if st else 0,

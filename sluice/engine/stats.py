@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 
 @dataclass(frozen=True)
@@ -26,8 +27,8 @@ class EngineStats:
     admissible_workflows: int   # how many new workflows are welcome now (admission control)
     decode_yield_steps: int = 0  # steps whose running decodes sat out for prompts (cumulative)
     active_workflows: int = 0    # in flight: a call running or waiting, or KV retained for the next
-    max_active_workflows: int = 0   # the bound on active_workflows `/load` keeps (0: none)
-    engine_overhead: float = -1.0   # share of the last period not spent on model work (auto bound; -1: none)
+    max_active_workflows: Optional[int] = None   # the bound on active_workflows `/load` keeps
+    engine_overhead: Optional[float] = None      # the auto bound's signal (engine/admission.py)
     engine_stalls: int = 0       # times the stall guard failed unfinished requests (cumulative)
     # Hybrid models' recurrent-state slots (all 0 for models without recurrent layers).
     state_slots_total: int = 0       # sequence slots (= max_num_seqs)

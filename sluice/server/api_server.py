@@ -247,7 +247,7 @@ def build_app(
             running=s.num_running, waiting=s.num_waiting, waiting_tokens=s.num_waiting_tokens,
             kv_usage=s.kv_usage, accepting=s.accepting and lifecycle.accepting,
             admissible_workflows=s.admissible_workflows if lifecycle.accepting else 0,
-            active_workflows=s.active_workflows, max_active_workflows=s.max_active_workflows or None,
+            active_workflows=s.active_workflows, max_active_workflows=s.max_active_workflows,
         )
 
     metrics_auth = auth if server_config.metrics_require_auth else []

@@ -80,8 +80,8 @@ class _EngineStatsCollector(Collector):
                           "retained for the next.", s.active_workflows)
         yield self._gauge("sluice:max_active_workflows", "The bound on workflows in flight that GET /load keeps "
                           "(0: none; with --max-active-workflows auto, the engine's current choice).",
-                          s.max_active_workflows)
-        if s.engine_overhead >= 0:
+                          s.max_active_workflows or 0)
+        if s.engine_overhead is not None:
             yield self._gauge("sluice:engine_overhead", "Share of the engine's last control period spent on "
                               "per-step fixed cost or idle (--max-active-workflows auto).", s.engine_overhead)
         yield self._counter("sluice:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
