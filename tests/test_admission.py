@@ -227,3 +227,31 @@ def test_the_scheduler_admits_up_to_the_auto_bound():
     st = s.stats()
     assert st.active_workflows == WorkflowLimit.INITIAL and st.max_active_workflows == WorkflowLimit.INITIAL + 2
     drain(s)
+
+
+@pytest.mark.parametrize("mode", ["auto", "fixed"])
+def test_an_idle_engine_welcomes_one_workflow_past_the_auto_bound_but_not_past_a_fixed_one(mode):
+    """Every workflow in flight waits on a tool (KV retained, nothing running or waiting): with
+    `auto` one more workflow is welcome, since the engine would idle otherwise; a fixed bound is
+    the operator's and holds. A call running or waiting takes the exception away."""
+    bound = WorkflowLimit.INITIAL
+    s = create_scheduler(num_blocks=4000, retention_ttl_s=100.0, max_num_seqs=32, admit_backlog_steps=None,
+                         max_active_workflows="auto" if mode == "auto" else bound)
+    for i in range(bound):
+        create_request(s, f"w{i}-1", 40, max_tokens=4, ignore_eos=True, workflow_id=f"w{i}")
+    assert s.admissible_workflows() == 0                  # calls waiting: the bound holds
+    drain(s)                                              # every workflow now between two calls
+    assert s.workflows.num_active == bound and not s.running and not s.waiting
+    assert s.admissible_workflows() == (1 if mode == "auto" else 0)
+    assert s.accepting() == (mode == "auto")
+    create_request(s, "w0-2", 60, max_tokens=4, ignore_eos=True, workflow_id="w0")
+    assert s.admissible_workflows() == 0                  # busy again
+    create_request(s, "x-1", 40, max_tokens=4, ignore_eos=True, workflow_id="x")
+    drain(s)
+    if mode == "auto":                                    # the one admitted past the bound
+        assert s.workflows.num_active == bound + 1 and s.admissible_workflows() == 1
+    for i in range(bound):
+        create_request(s, f"w{i}-last", 60, max_tokens=4, ignore_eos=True, workflow_id=f"w{i}", is_last_step=True)
+    create_request(s, "x-last", 60, max_tokens=4, ignore_eos=True, workflow_id="x", is_last_step=True)
+    drain(s)
+    assert s.workflows.num_active == 0 and s.admissible_workflows() == bound

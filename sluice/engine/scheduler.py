@@ -158,7 +158,8 @@ class Scheduler:
         """How many new workflows are welcome now (`GET /load`): none when the waiting queue is at
         a bound, when calls wait for a sequence slot, when as many workflows as `workflow_limit`
         allows (fixed, or found by the engine: engine/admission.py) are in flight (a call
-        running or waiting, or KV retained for the next), or when the KV cache cannot take
+        running or waiting, or KV retained for the next; with `auto`, one more is welcome while
+        the engine has nothing at all to compute), or when the KV cache cannot take
         one more call of typical size on top of the working set of the workflows already admitted
         (`kv_headroom`): a workflow admitted then would only displace the KV of those already
         running or waiting on a tool. Otherwise as many as fit one after another, each taking
@@ -187,6 +188,11 @@ class Scheduler:
         bound = self.workflow_limit.value
         if bound is not None:
             room = bound - self.workflows.num_active
+            if room <= 0 and self.workflow_limit.auto and not self.running and not self.waiting:
+                # The engine has nothing to compute (every workflow in flight waits on a tool):
+                # the bound it found is too low this moment, and a workflow admitted now costs
+                # the others nothing. Work-conserving; a fixed bound is the operator's and holds.
+                room = 1
             if room <= 0:
                 return 0
         call = self.typical_call_blocks
