@@ -8,7 +8,7 @@ measures what the server and the client cost; its step trace shows what the engi
     .venv/bin/python benchmarks/engine_replay.py [--workflows 32] [--concurrency 32]
         [--max-num-batched-tokens 512] [--policy workflow] [--backend auto] [--step-trace PATH]
         [--speculative-config '{"method": "ngram"}'] [--kv-cache-tokens 24064] [--admission load]
-        [--max-active-workflows N|auto|none] [--calls-out PATH] [--phases]
+        [--max-active-workflows N|auto|none] [--auto-overhead-band LOW,HIGH] [--calls-out PATH] [--phases]
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 from sluice.bench.workload import RequestTarget, WorkloadConfig, make_workflow, synthetic_bodies
-from sluice.cli import parse_max_active_workflows, parse_speculative_config
+from sluice.cli import parse_max_active_workflows, parse_overhead_band, parse_speculative_config
 from sluice.config import CacheConfig, EngineConfig, SchedulerConfig
 from sluice.engine.llm_engine import LLMEngine, WorkflowInfo
 from sluice.model.loader import load_model_config, resolve_model_path
@@ -39,6 +39,8 @@ def main() -> None:
     ap.add_argument("--max-active-workflows", type=parse_max_active_workflows,
                     default=SchedulerConfig.max_active_workflows,
                     help="as `sluice serve`'s flag, default auto (with --admission load)")
+    ap.add_argument("--auto-overhead-band", type=parse_overhead_band, default=None, metavar="LOW,HIGH",
+                    help="as `sluice serve`'s flag")
     ap.add_argument("--backend", default="auto")
     ap.add_argument("--kv-cache-gib", type=float, default=1.0)
     ap.add_argument("--kv-cache-tokens", type=int, default=None, help="instead of --kv-cache-gib")
@@ -63,7 +65,8 @@ def main() -> None:
         scheduler=SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=args.max_num_batched_tokens,
                                   max_model_len=mcfg.max_position_embeddings, policy=args.policy,
                                   aging_s=args.aging_s, decode_yield_steps=args.decode_yield_steps,
-                                  max_active_workflows=args.max_active_workflows),
+                                  max_active_workflows=args.max_active_workflows,
+                                  auto_overhead_band=args.auto_overhead_band),
         attention_backend=args.backend, step_trace_path=args.step_trace,
         speculative=parse_speculative_config(args.speculative_config)))
     tok = eng.tokenizer

@@ -42,6 +42,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="GET /load welcomes no new workflow while N are in flight (a call running or "
                         "waiting, or KV retained for the next call); auto (the default): the fewest "
                         "that keep the engine busy, found as it runs; none: no bound")
+    p.add_argument("--auto-overhead-band", type=parse_overhead_band, default=None, metavar="LOW,HIGH",
+                   help="with --max-active-workflows auto: the share of the wall clock spent on fixed "
+                        "step costs and idling that the bound steers between; a lower band keeps more "
+                        "workflows in flight (throughput), a higher one fewer (latency) (default 0.10,0.15)")
     p.add_argument("--decode-yield-steps", type=int, default=1, metavar="N",
                    help="while prompt tokens wait, running decodes sit out up to N consecutive steps so "
                         "the prompts get them alone (lower time to first token); 0: every step carries "
@@ -84,6 +88,17 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                         "dropped first; 0 keeps none (default 1024)")
     p.add_argument("--fault-inject-after-steps", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--fault-inject-stall-after-steps", type=int, default=None, help=argparse.SUPPRESS)
+
+
+def parse_overhead_band(text: str) -> tuple[float, float]:
+    """`--auto-overhead-band LOW,HIGH`: two fractions, 0 < LOW < HIGH < 1."""
+    try:
+        low, high = (float(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected LOW,HIGH (two fractions), got {text!r}") from None
+    if not 0.0 < low < high < 1.0:
+        raise argparse.ArgumentTypeError(f"expected 0 < LOW < HIGH < 1, got {text!r}")
+    return low, high
 
 
 def parse_max_active_workflows(text: str):
@@ -143,6 +158,7 @@ def build_engine_config(args: argparse.Namespace):
             starvation_s=args.starvation_s,
             admit_backlog_steps=args.admit_backlog_steps,
             max_active_workflows=args.max_active_workflows,
+            auto_overhead_band=args.auto_overhead_band,
             decode_yield_steps=args.decode_yield_steps,
         ),
         dtype=parse_dtype(args.dtype),

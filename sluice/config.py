@@ -103,6 +103,10 @@ class SchedulerConfig:
     # found as it runs, see engine/admission.py; None: no such bound). See
     # Scheduler.admissible_workflows.
     max_active_workflows: Optional[Union[int, str]] = "auto"
+    # With "auto": the band of engine overhead (fixed step cost and idle time, a share of the
+    # wall clock) the bound steers into; lower keeps more workflows in flight. None: the
+    # controller's default (WorkflowLimit.OVERHEAD_LOW, OVERHEAD_HIGH).
+    auto_overhead_band: Optional[tuple[float, float]] = None
     # While prompt tokens wait, running decodes sit out up to this many consecutive steps, so
     # the prompts get those steps alone and their first tokens come one decode pass sooner
     # (0: every step carries every running decode first). See Scheduler.schedule.
@@ -116,6 +120,9 @@ class SchedulerConfig:
         m = self.max_active_workflows
         if m is not None and m != "auto" and (not isinstance(m, int) or m <= 0):
             raise ValueError('max_active_workflows must be a positive integer, "auto", or None for no bound')
+        band = self.auto_overhead_band
+        if band is not None and not (len(band) == 2 and 0.0 < band[0] < band[1] < 1.0):
+            raise ValueError("auto_overhead_band must be (low, high) with 0 < low < high < 1")
         if self.decode_yield_steps < 0:
             raise ValueError("decode_yield_steps must be >= 0")
 

@@ -45,6 +45,7 @@ def create_scheduler(
     admit_backlog_steps: Optional[float] = 2.0,
     decode_yield_steps: int = SchedulerConfig.decode_yield_steps,
     max_active_workflows=None,
+    auto_overhead_band: Optional[tuple[float, float]] = None,
 ) -> Scheduler:
     """A scheduler over a real BlockPool, driven by a FakeClock (`scheduler.clock`)."""
     config = SchedulerConfig(
@@ -60,6 +61,7 @@ def create_scheduler(
         admit_backlog_steps=admit_backlog_steps,
         decode_yield_steps=decode_yield_steps,
         max_active_workflows=max_active_workflows,
+        auto_overhead_band=auto_overhead_band,
     )
     cache = CacheConfig(block_size=block_size, enable_prefix_caching=enable_prefix_caching)
     return Scheduler(config, cache, num_blocks, clock=FakeClock(), speculative=speculative)

@@ -104,6 +104,23 @@ def test_the_auto_bound_settles_where_the_overhead_enters_the_band():
     assert lim.last_overhead is not None and lim.adjustments >= lo - WorkflowLimit.INITIAL
 
 
+def test_a_lower_band_settles_at_more_workflows_in_flight():
+    """`--auto-overhead-band`: the same engine steered into a lower overhead band keeps more
+    workflows in flight, where that band's overhead is (the throughput-first setting)."""
+    band = (0.05, 0.08)
+    default = Engine(WorkflowLimit(auto=True, maximum=64)).run(600.0)
+    lim = WorkflowLimit(auto=True, maximum=64, band=band)
+    assert (lim.overhead_low, lim.overhead_high) == band
+    lower = Engine(lim).run(600.0)
+    settled = [b[len(b) // 2:] for b in (default, lower)]
+    lo = min(n for n in range(1, 64) if overhead_at(n) <= band[1])
+    hi = max(n for n in range(1, 64) if overhead_at(n) >= band[0])
+    assert lo - 1 <= min(settled[1]) and max(settled[1]) <= hi + 1, (lo, hi, min(settled[1]), max(settled[1]))
+    assert min(settled[1]) > max(settled[0]), settled
+    with pytest.raises(AssertionError):
+        WorkflowLimit(auto=True, band=(0.2, 0.1))
+
+
 def test_a_cheaper_step_per_row_needs_more_workflows():
     """The same controller on an engine whose fixed cost weighs more against its rows (a faster
     machine per token) keeps more workflows in flight."""
@@ -227,6 +244,9 @@ def test_the_scheduler_admits_up_to_the_auto_bound():
     st = s.stats()
     assert st.active_workflows == WorkflowLimit.INITIAL and st.max_active_workflows == WorkflowLimit.INITIAL + 2
     drain(s)
+    assert (lim.overhead_low, lim.overhead_high) == (WorkflowLimit.OVERHEAD_LOW, WorkflowLimit.OVERHEAD_HIGH)
+    s = create_scheduler(max_active_workflows="auto", auto_overhead_band=(0.05, 0.08))
+    assert (s.workflow_limit.overhead_low, s.workflow_limit.overhead_high) == (0.05, 0.08)
 
 
 @pytest.mark.parametrize("mode", ["auto", "fixed"])

@@ -858,7 +858,7 @@ def test_max_active_workflows_bounds_admissions_until_a_workflow_ends():
     assert_all_released(s)
 
 
-def test_max_active_workflows_is_a_server_flag_auto_by_default_and_must_be_positive():
+def test_max_active_workflows_and_its_band_are_server_flags_auto_by_default_and_validated():
     import argparse
 
     from sluice.cli import add_engine_args, build_engine_config
@@ -878,6 +878,14 @@ def test_max_active_workflows_is_a_server_flag_auto_by_default_and_must_be_posit
     for bad in (0, "eight", 2.5):
         with pytest.raises(ValueError, match="max_active_workflows"):
             SchedulerConfig(max_active_workflows=bad)
+    assert build_engine_config(parser.parse_args([])).scheduler.auto_overhead_band is None
+    cfg = build_engine_config(parser.parse_args(["--auto-overhead-band", "0.05,0.08"]))
+    assert cfg.scheduler.auto_overhead_band == (0.05, 0.08)
+    for bad in ("0.2,0.1", "0,0.1", "0.1,1", "0.1", "low,high"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["--auto-overhead-band", bad])
+    with pytest.raises(ValueError, match="auto_overhead_band"):
+        SchedulerConfig(auto_overhead_band=(0.3, 0.2))
 
 
 def test_a_full_sequence_table_with_a_queue_is_not_welcoming():

@@ -18,7 +18,8 @@ workflows in flight took longer than ~23, and 17 of the 21 s that 8 did). A mach
 overhead O can give at most 1/(1-O) times its throughput by admitting more. So the controller raises the bound while
 the overhead is above `OVERHEAD_HIGH` and lowers it while it is below `OVERHEAD_LOW`: the
 fewest workflows that keep the fixed cost and idling between the two. The band is the trade
-between throughput and latency.
+between throughput and latency, a server flag (`--auto-overhead-band LOW,HIGH`, default
+0.10,0.15): a lower band keeps more workflows in flight, for throughput.
 
 The fixed part is not configured but measured: the intercept of a least-squares fit of each
 step's wall time on its shape over the last 512 steps. The bound follows a moving average of the
@@ -98,9 +99,12 @@ class WorkflowLimit:
     MINIMUM = 2
 
     def __init__(self, fixed: Optional[int] = None, auto: bool = False, maximum: int = 64,
-                 initial: Optional[int] = None) -> None:
+                 initial: Optional[int] = None, band: Optional[tuple[float, float]] = None) -> None:
         assert not (auto and fixed is not None), "a bound is either fixed or automatic"
         self.auto = auto
+        # (low, high): the overhead band the bound steers into (`--auto-overhead-band`).
+        self.overhead_low, self.overhead_high = band if band is not None else (self.OVERHEAD_LOW, self.OVERHEAD_HIGH)
+        assert 0.0 < self.overhead_low < self.overhead_high < 1.0, "the band must be 0 < low < high < 1"
         self.maximum = max(1, maximum)
         start = initial if initial is not None else self.INITIAL
         self.value: Optional[int] = fixed if not auto else max(self.MINIMUM, min(self.maximum, start))
@@ -144,10 +148,10 @@ class WorkflowLimit:
 
     def _adjust(self, overhead: float, peak_active: int, active: int) -> None:
         value = self.value
-        if overhead > self.OVERHEAD_HIGH and peak_active >= value:
-            step = 1 if overhead <= 2 * self.OVERHEAD_HIGH else max(1, value // 4)
+        if overhead > self.overhead_high and peak_active >= value:
+            step = 1 if overhead <= 2 * self.overhead_high else max(1, value // 4)
             self.value = min(self.maximum, value + step)
-        elif overhead < self.OVERHEAD_LOW and active <= value:
+        elif overhead < self.overhead_low and active <= value:
             self.value = max(self.MINIMUM, value - 1)
         if self.value != value:
             self.adjustments += 1

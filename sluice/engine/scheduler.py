@@ -100,8 +100,8 @@ class Scheduler:
         self.workflows = WorkflowTracker(self.pool, config.retention_ttl_s)
         self.policy = create_policy(config, self.workflows)
         m = config.max_active_workflows
-        self.workflow_limit = (WorkflowLimit(auto=True, maximum=config.max_num_seqs) if m == "auto"
-                               else WorkflowLimit(fixed=m))
+        self.workflow_limit = (WorkflowLimit(auto=True, maximum=config.max_num_seqs, band=config.auto_overhead_band)
+                               if m == "auto" else WorkflowLimit(fixed=m))
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
