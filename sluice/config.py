@@ -123,6 +123,8 @@ class SchedulerConfig:
         band = self.auto_overhead_band
         if band is not None and not (len(band) == 2 and 0.0 < band[0] < band[1] < 1.0):
             raise ValueError("auto_overhead_band must be (low, high) with 0 < low < high < 1")
+        if band is not None and m != "auto":
+            raise ValueError('auto_overhead_band steers max_active_workflows="auto" and means nothing with a fixed or no bound')
         if self.decode_yield_steps < 0:
             raise ValueError("decode_yield_steps must be >= 0")
 

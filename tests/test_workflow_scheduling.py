@@ -886,6 +886,9 @@ def test_max_active_workflows_and_its_band_are_server_flags_auto_by_default_and_
             parser.parse_args(["--auto-overhead-band", bad])
     with pytest.raises(ValueError, match="auto_overhead_band"):
         SchedulerConfig(auto_overhead_band=(0.3, 0.2))
+    for bound in (8, None):
+        with pytest.raises(ValueError, match="auto_overhead_band"):
+            SchedulerConfig(max_active_workflows=bound, auto_overhead_band=(0.05, 0.08))
 
 
 def test_a_full_sequence_table_with_a_queue_is_not_welcoming():
