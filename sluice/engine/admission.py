@@ -117,6 +117,17 @@ class WorkflowLimit:
         self.last_overhead: Optional[float] = None
         self.adjustments = 0
 
+    def room(self, active: int, idle: bool) -> Optional[int]:
+        """New workflows the bound lets in with `active` in flight (None: no bound). `idle`: the
+        engine has nothing running or waiting (every workflow in flight waits on a tool); then
+        an `auto` bound lets one more in, since the engine would otherwise idle and a workflow
+        admitted now costs the others nothing yet (work-conserving). A fixed bound is the
+        operator's and holds."""
+        if self.value is None:
+            return None
+        room = self.value - active
+        return 1 if room <= 0 and idle and self.auto else room
+
     def observe_step(self, start: float, end: float, shape: StepShape, active: int) -> None:
         """A step ran from `start` to `end` (seconds, the engine's clock) carrying `shape`, and
         `active` workflows are in flight after it. Adjusts the bound when a period is over."""

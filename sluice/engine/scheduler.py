@@ -185,16 +185,9 @@ class Scheduler:
             backlog_room = c.admit_backlog_steps * c.max_num_batched_tokens - self.prefill_backlog()
             if backlog_room <= 0:
                 return 0
-        bound = self.workflow_limit.value
-        if bound is not None:
-            room = bound - self.workflows.num_active
-            if room <= 0 and self.workflow_limit.auto and not self.running and not self.waiting:
-                # The engine has nothing to compute (every workflow in flight waits on a tool):
-                # the bound it found is too low this moment, and a workflow admitted now costs
-                # the others nothing. Work-conserving; a fixed bound is the operator's and holds.
-                room = 1
-            if room <= 0:
-                return 0
+        room = self.workflow_limit.room(self.workflows.num_active, idle=not self.running and not self.waiting)
+        if room is not None and room <= 0:
+            return 0
         call = self.typical_call_blocks
         headroom = self.kv_headroom()
         if headroom < call:
@@ -203,7 +196,7 @@ class Scheduler:
         n = min(n, max(1, c.max_num_seqs - len(self.running) - len(self.waiting)))
         if c.max_waiting_requests is not None:
             n = min(n, c.max_waiting_requests - len(self.waiting))
-        if bound is not None:
+        if room is not None:
             n = min(n, room)
         if backlog_room < math.inf:
             n = min(n, max(1, math.ceil(backlog_room / max(1.0, self.typical_first_prompt_tokens))))
