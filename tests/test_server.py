@@ -309,7 +309,12 @@ def test_continue_final_message_continues_the_assistant_turn(
     assert reply.usage is not None and reply.usage.prompt_tokens == got["count"]
 
 
-def test_load_and_metrics(server: RemoteServer) -> None:
+def test_load_and_metrics(server: RemoteServer, client: openai.OpenAI, model: str) -> None:
+    # its own request, cut by max_tokens, so the counters below hold whatever ran before (or alone)
+    resp = client.completions.create(model=model, prompt="Count: 1, 2, 3,", max_tokens=3, temperature=0,
+                                     extra_body={"ignore_eos": True})
+    assert resp.choices[0].finish_reason == "length"
+    wait_until_idle(server)
     load = httpx.get(server.url + "/load").json()
     assert set(load) == {"running", "waiting", "waiting_tokens", "kv_usage", "accepting", "admissible_workflows",
                          "active_workflows", "max_active_workflows"}
