@@ -112,10 +112,8 @@ def main() -> None:
         while due and due[0][0] <= now:
             _, i, j = heapq.heappop(due)
             submit(i, j)
-        admit()
-        if gated and slots and pending and not eng.has_unfinished() and not due:
-            submit(pending.pop(), 0)   # never idle: an empty engine takes the next workflow anyway
-            slots -= 1
+        admit()   # as `sluice bench --admission load` against the server: /load decides (an idle
+                  # engine's exception to the `auto` bound is the scheduler's, WorkflowLimit.room)
         if not eng.has_unfinished():
             time.sleep(max(0.0, min(0.05, due[0][0] - now)) if due else 0.0)
             continue

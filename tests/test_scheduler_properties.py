@@ -65,6 +65,8 @@ def do_add(m: Model, seed: int) -> None:
     min_tokens = rnd.choice([0, 0, 0, 1, 3])
     ignore_eos = rnd.random() < 0.2
     wid = WORKFLOWS[k] if rnd.random() < 0.6 else None
+    if wid is not None and rnd.random() < 0.3:   # another workflow on this prefix: retentions share blocks
+        wid = WORKFLOWS[(k + 1) % 3]
     last = rnd.random() < 0.2
     s = m.scheduler
     own_tokens = [500_000 + m.next_id * 100 + i for i in range(own)]
@@ -137,7 +139,12 @@ def check_state(m: Model) -> None:
     stats = s.stats()
     parts = (stats.kv_blocks_used, stats.kv_blocks_retained, stats.kv_blocks_evictable, stats.kv_blocks_free)
     assert min(parts) >= 0 and sum(parts) == s.pool.num_blocks
-    assert stats.kv_blocks_retained == s.workflows.num_retained_blocks
+    # Distinct blocks: a call's, or retentions' only (however many retentions share one).
+    by_calls = {b.block_id for r in s.running + s.waiting for b in r.blocks}
+    by_retentions = {b.block_id for wf in s.workflows.workflows.values() if wf.retention
+                     for b in wf.retention.blocks}
+    assert stats.kv_blocks_used == len(by_calls)
+    assert stats.kv_blocks_retained == len(by_retentions - by_calls)
     assert (stats.num_running, stats.num_waiting) == (len(s.running), len(s.waiting))
     assert 0 <= s.kv.prefix_hits <= s.kv.prefix_queries
     for r in m.all_requests:

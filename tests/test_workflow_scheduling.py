@@ -154,6 +154,34 @@ def test_finished_call_retains_its_full_cached_blocks():
     assert_all_released(s)
 
 
+def test_retained_blocks_two_workflows_share_count_once():
+    """/metrics' retained blocks are distinct blocks only retentions hold: two workflows on one
+    system prompt retain its blocks together, and a running call that reads them makes them used."""
+    s = create_scheduler(block_size=16, num_blocks=20)
+    system = unique_prompt(32)                       # two full blocks every call shares
+    for wid in ("a", "b"):
+        call = create_request(s, wid, system + unique_prompt(13), max_tokens=4, workflow_id=wid)
+        drain(s)
+        assert call.num_computed_tokens == 48         # three full blocks retained
+    assert s.workflows.num_retained_blocks == 6       # references: the shared two held twice
+    stats = s.stats()
+    assert (stats.kv_blocks_retained, stats.kv_blocks_used) == (4, 0)
+    assert stats.kv_blocks_retained + stats.kv_blocks_evictable + stats.kv_blocks_free == 20
+
+    reader = create_request(s, "reader", system + unique_prompt(5), max_tokens=8)
+    run_step(s)
+    assert reader.num_cached_tokens == 32 and len(reader.blocks) == 3
+    stats = s.stats()
+    assert stats.kv_blocks_used == 3                  # the shared two and its own
+    assert stats.kv_blocks_retained == 2              # each workflow's third block
+    assert (stats.kv_blocks_used + stats.kv_blocks_retained + stats.kv_blocks_evictable
+            + stats.kv_blocks_free) == 20
+    s.check_invariants()
+    drain(s)
+    assert s.stats().kv_blocks_retained == 4
+    assert_all_released(s)
+
+
 def tail_call(s):
     """40 prompt + 6 output tokens: 45 computed, two full blocks and 13 tokens in a third."""
     call = create_request(s, "call1", 40, max_tokens=6, workflow_id="agent")

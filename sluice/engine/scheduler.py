@@ -674,7 +674,8 @@ class Scheduler:
     # --- observability ------------------------------------------------------------------
     def stats(self, engine_stalls: int = 0) -> EngineStats:
         """The snapshot; `engine_stalls` is the engine's own count (LLMEngine's stall guard)."""
-        retained = self.workflows.num_retained_blocks
+        # Disjoint: used (referenced by a call), retained (by retentions only), evictable, free.
+        retained = self.workflows.num_blocks_only_retained()
         free = self.pool.num_free_blocks
         evictable = self.pool.num_evictable_blocks
         used = self.pool.num_blocks - free - retained
@@ -684,7 +685,7 @@ class Scheduler:
             num_waiting=len(self.waiting),
             num_waiting_tokens=self.num_waiting_tokens,
             kv_blocks_total=self.pool.num_blocks,
-            kv_blocks_used=max(0, used),
+            kv_blocks_used=used,
             kv_blocks_retained=retained,
             kv_blocks_evictable=evictable,
             kv_blocks_free=free - evictable,

@@ -101,7 +101,22 @@ class WorkflowTracker:
 
     @property
     def num_retained_blocks(self) -> int:
+        """References the retentions hold (a block two retentions share counts twice)."""
         return sum(len(wf.retention.blocks) for wf in self.workflows.values() if wf.retention)
+
+    def num_blocks_only_retained(self) -> int:
+        """Distinct blocks that retentions alone hold: no running or waiting call references
+        them. What `/metrics` reports as retained; every workflow's retention holds the blocks
+        of the shared system prompt, so summing retentions' lengths counted those once per
+        workflow (and `used`, the rest of the referenced blocks, came out 0 under load)."""
+        refs: dict[int, int] = {}
+        held: dict[int, Block] = {}
+        for wf in self.workflows.values():
+            if wf.retention is not None:
+                for b in wf.retention.blocks:
+                    refs[b.block_id] = refs.get(b.block_id, 0) + 1
+                    held[b.block_id] = b
+        return sum(1 for bid, n in refs.items() if held[bid].ref_cnt == n)
 
     def retain(self, workflow_id: str, blocks: list[Block], num_tokens: int, now: float,
                tail_tokens: tuple[int, ...] = ()) -> None:

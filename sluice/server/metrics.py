@@ -59,7 +59,8 @@ class _EngineStatsCollector(Collector):
         yield self._gauge("sluice:kv_cache_blocks_total", "KV blocks in the pool.", s.kv_blocks_total)
         yield self._gauge("sluice:kv_cache_blocks_used", "KV blocks referenced by running or waiting requests.",
                           s.kv_blocks_used)
-        yield self._gauge("sluice:kv_cache_blocks_retained", "KV blocks pinned for a workflow's next call.",
+        yield self._gauge("sluice:kv_cache_blocks_retained",
+                          "KV blocks pinned for a workflow's next call and referenced by no request.",
                           s.kv_blocks_retained)
         yield self._gauge("sluice:kv_cache_blocks_evictable", "Cached, unreferenced, reclaimable KV blocks.",
                           s.kv_blocks_evictable)
