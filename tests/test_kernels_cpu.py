@@ -39,7 +39,7 @@ def _close(got: torch.Tensor, want: torch.Tensor) -> None:
     assert err <= 2e-2 * scale, f"max error {err:.3g} at scale {scale:.3g}"
 
 
-@pytest.mark.parametrize("m", [1, 2, 5, 6, 7, 12, 13, 33, 130])
+@pytest.mark.parametrize("m", [1, 2, 5, 6, 7, 12, 13, 33, 130, 197, 300])
 @pytest.mark.parametrize("n,k", [(16, 2), (48, 64), (64, 576), (80, 96), (960, 576), (576, 1536)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_linear_matches_reference(m, n, k, bias):
@@ -53,7 +53,7 @@ def test_linear_matches_reference(m, n, k, bias):
     _close(got, _ref(x, w, b))
 
 
-@pytest.mark.parametrize("m", [1, 6, 9, 40])
+@pytest.mark.parametrize("m", [1, 6, 9, 40, 200])
 @pytest.mark.parametrize("inter", [16, 32, 48, 1536])
 @pytest.mark.parametrize("bias", [False, True])
 def test_fused_silu_mul_matches_unfused(m, inter, bias):
@@ -243,16 +243,18 @@ def test_a_row_does_not_depend_on_the_rows_beside_it(silu_mul, n):
     """Each output row is the same bits whatever the row count: small batches and large ones take
     different code paths (on AVX2, one or two rows stream 4 column vectors at a time, weights
     widened once per block from 8 rows), and speculative verification (7 rows a request) must
-    reproduce plain decoding (1 row) exactly. Widths 240 and 224 end in a narrower group."""
+    reproduce plain decoding (1 row) exactly. Widths 240 and 224 end in a narrower group. From
+    192 rows the AVX-512 kernel deals row blocks x groups to the threads (300 rows: three full
+    blocks and a partial one)."""
     g = torch.Generator().manual_seed(7)
     k = 576
     w = (torch.randn(n, k, generator=g) / k ** 0.5).bfloat16()
     b = torch.randn(n, generator=g).bfloat16()
     layer = PackedLinear(w, b, silu_mul=silu_mul)
-    x = torch.randn(130, k, generator=g).bfloat16()
+    x = torch.randn(300, k, generator=g).bfloat16()
     whole = layer(x)
     # A different summation order moves only a few outputs in 10^4 across a bf16 rounding
     # boundary, so every row is compared, in chunks of each size.
-    for m in (1, 2, 5, 7, 8, 9, 13, 97):
-        part = torch.cat([layer(x[i:i + m]) for i in range(0, 130, m)])
-        assert torch.equal(part, whole), f"rows differ between batches of {m} and one of 130"
+    for m in (1, 2, 5, 7, 8, 9, 13, 97, 130, 200):
+        part = torch.cat([layer(x[i:i + m]) for i in range(0, 300, m)])
+        assert torch.equal(part, whole), f"rows differ between batches of {m} and one of 300"
