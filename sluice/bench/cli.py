@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from sluice.bench.client import Endpoint
+from sluice.bench.floor import PromptCost, floor_rows, floor_table
 from sluice.bench.report import compare_table, replot, summary_table, write_compare, write_manifest, write_results
 from sluice.bench.run import (
     BURST,
@@ -185,6 +186,24 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plot", help="redraw the plots from results.json files (several: overlaid)")
     p.add_argument("results", type=Path, nargs="+", help="results.json of a run (or of each side)")
     p.add_argument("--out", type=Path, required=True, help="folder for throughput.png and ttft.png")
+    d = PromptCost()
+    p = sub.add_parser(
+        "floor", help="the TTFT an ideal engine would give a recorded run's calls (see sluice/bench/floor.py)",
+        description="Replay each run's calls, at their send times and with the uncached prompt tokens the "
+                    "server reported, through an ideal engine that computes prompt tokens at the given FLOP "
+                    "rates and nothing else (decodes free), first come first served and shortest remaining "
+                    "prompt first; print TTFT p50 / p90 beside the measured ones. The FLOP counts default to "
+                    "SmolLM2-135M's, the rates to the bf16 peak of the AVX-512 BF16 hosts "
+                    "(benchmarks/roofline.py measures a host's).")
+    p.add_argument("results", type=Path, nargs="+", help="results.json of a run (or of each side)")
+    p.add_argument("--linear-gflops", type=float, default=d.linear_rate / 1e9,
+                   help=f"rate of the projections (default {d.linear_rate / 1e9:g})")
+    p.add_argument("--attn-gflops", type=float, default=d.attn_rate / 1e9,
+                   help=f"rate of prompt attention (default {d.attn_rate / 1e9:g})")
+    p.add_argument("--linear-mflop-per-token", type=float, default=d.linear_flop_per_token / 1e6,
+                   help=f"projections' FLOPs per prompt token (default SmolLM2-135M's, {d.linear_flop_per_token / 1e6:.2f})")
+    p.add_argument("--attn-kflop-per-context-token", type=float, default=d.attn_flop_per_context_token / 1e3,
+                   help=f"attention FLOPs per prompt token per token of context (default {d.attn_flop_per_context_token / 1e3:g})")
     return parser
 
 
@@ -425,6 +444,23 @@ def cmd_soak(args: argparse.Namespace) -> int:
     return 0 if report.passed else 1
 
 
+def cmd_floor(args: argparse.Namespace) -> int:
+    for name in ("linear_gflops", "attn_gflops", "linear_mflop_per_token", "attn_kflop_per_context_token"):
+        if not getattr(args, name) > 0:
+            raise SystemExit(f"--{name.replace('_', '-')} must be positive")
+    cost = PromptCost(linear_flop_per_token=args.linear_mflop_per_token * 1e6,
+                      attn_flop_per_context_token=args.attn_kflop_per_context_token * 1e3,
+                      linear_rate=args.linear_gflops * 1e9, attn_rate=args.attn_gflops * 1e9)
+    rows = []
+    for path in args.results:
+        try:
+            rows.extend(floor_rows(path, cost))
+        except (OSError, ValueError, KeyError) as e:
+            raise SystemExit(f"{path}: {e}") from None
+    print(floor_table(rows, cost))
+    return 0
+
+
 def main(argv: list[str]) -> int:
     argv = list(argv)
     args = build_parser().parse_args(argv)
@@ -433,6 +469,8 @@ def main(argv: list[str]) -> int:
         return 0
     if args.command == "soak":
         return cmd_soak(args)
+    if args.command == "floor":
+        return cmd_floor(args)
     if args.repeats < 1:
         raise SystemExit("--repeats must be at least 1")
     if args.command == "compare":
