@@ -128,18 +128,18 @@ void run_group(const bf16* x, int64_t m, int64_t ldx, const bf16* w, int64_t k_p
 //
 // Below two row blocks (decodes, verification, short prompts) the groups are split between the
 // threads up front: there a step is mostly the weights' pass through the cores, and each thread
-// streams its own contiguous half. From two row blocks on (prefill chunks) the work items are a block of rows times a run of groups,
-// row blocks first, dealt from a shared counter: the model's 576- and 960-wide projections have
-// 9 and 15 groups, which two threads split 5 / 4 and 8 / 7 when dealt up front (measured at 512
-// rows: 414 and 432 GFLOP/s against 460 for the 48-group gate/up), and when one core is slowed
-// (the server's Python thread, a neighbour on the host) the other takes more items instead of
-// waiting at the join (the AVX2 kernel's scheme, linear_avx2.cpp). A group's weight slice is then
-// read once per row block instead of once, from L3 at these sizes. Which item computes an output
-// does not change its bits: every row tile runs the same sums in the same order.
+// streams its own contiguous half. From two row blocks on (prefill chunks) the work items are a
+// block of rows times a run of groups, row blocks first, dealt from a shared counter (the AVX2
+// kernel's scheme, linear_avx2.cpp): when one core is slowed by something else (the server's
+// Python thread, a benchmark client, a neighbour on the host) the other takes more items instead
+// of waiting at the join. A group's weight slice is then read once per row block instead of
+// once, from L3 at these sizes. Which item computes an output does not change its bits: every
+// row tile runs the same sums in the same order.
 constexpr int64_t kRowBlock = 96;  // 16 row tiles; x's block (<= 96 x 1536 bf16) stays in L2
-// Measured (30 layers' projections, 2 threads): with one core 30% busy elsewhere, 200 / 336 /
-// 512 rows ran at 379-387 / 398-404 / 394-404 GFLOP/s dealt against 364-366 / 352-366 / 358-363
-// split up front; on idle cores within 2% either way, but 4% slower dealt at 96 rows.
+// Measured (docs/measured/s36/gemm-ab.txt: 30 layers' projections, 2 threads): with one core 30%
+// busy elsewhere, 200 / 336 / 512 rows ran 0-13% faster dealt than split up front; on idle cores
+// the same (the 9- and 15-group projections' 5 / 4 and 8 / 7 split costs nothing measurable), but
+// dealt from 96 rows was 4% slower at 96.
 constexpr int64_t kDealMinRows = 2 * kRowBlock;
 
 template <bool kSiluMul>
