@@ -9,7 +9,7 @@ import pytest
 import sluice.bench.cli as cli
 from sluice.bench.client import CallRecord, CallStatus
 from sluice.bench.floor import (SMOLLM2_ATTN_FLOP_PER_CONTEXT, SMOLLM2_LINEAR_FLOP, PromptCost,
-                                fcfs_response_times, floor_rows, srpt_response_times)
+                                fcfs_response_times, floor_rows, poisson_jobs, srpt_response_times)
 from sluice.bench.metrics import WorkflowRecord, summarize
 from sluice.bench.report import write_results
 from sluice.bench.run import RunResult, ScenarioSpec
@@ -46,6 +46,23 @@ def test_srpt_against_fcfs_on_random_jobs(seed):
     for (_, w), rf, rs in zip(jobs, f, s):
         assert rf >= w - 1e-12 and rs >= w - 1e-12
     assert sum(s) <= sum(f) + 1e-9
+
+
+def test_poisson_jobs_keep_the_work_and_the_rate():
+    jobs = [(5.0 + 0.01 * i, 0.001 * i) for i in range(2001)]   # 20 s of sends, 100 a second
+    drawn = poisson_jobs(jobs, seed=3)
+    assert sorted(w for _, w in drawn) == sorted(w for _, w in jobs)
+    assert [w for _, w in drawn] != [w for _, w in jobs]          # shuffled
+    arrivals = [a for a, _ in drawn]
+    assert arrivals[0] == 5.0 and arrivals == sorted(arrivals)
+    gaps = [b - a for a, b in zip(arrivals, arrivals[1:])]
+    assert sum(gaps) / len(gaps) == pytest.approx(0.01, rel=0.1)
+    # Exponential gaps: their standard deviation is their mean (evenly spaced sends have none).
+    mean = sum(gaps) / len(gaps)
+    sd = (sum((g - mean) ** 2 for g in gaps) / len(gaps)) ** 0.5
+    assert sd == pytest.approx(mean, rel=0.15)
+    assert poisson_jobs(jobs, seed=3) == drawn and poisson_jobs(jobs, seed=4) != drawn
+    assert poisson_jobs(jobs[:1], seed=0) == jobs[:1]
 
 
 def test_prompt_cost():
@@ -87,13 +104,19 @@ def test_floor_rows_from_a_results_file(tmp_path):
     assert row.srpt == (pytest.approx((short + short + long) / 2), pytest.approx(short + 0.9 * long))
     assert row.fcfs == (pytest.approx((long + long + short) / 2), pytest.approx(long + 0.9 * short))
     assert row.measured == (pytest.approx(1.25), pytest.approx(1.85))
+    assert row.srpt_poisson_p90 is None
+    # Both were sent at once: no span to take a rate from, so the Poisson replay is the recorded one.
+    (row,) = floor_rows(path, cost, poisson=3)
+    assert row.srpt_poisson_p90 == (pytest.approx(row.srpt[1]), pytest.approx(row.srpt[1]))
 
 
 def test_floor_command(tmp_path, capsys):
     path = _results(tmp_path)
     assert cli.main(["floor", str(path), "--linear-gflops", "433"]) == 0
     out = capsys.readouterr().out
-    assert "433 GFLOP/s" in out and "| engine #0 | 2 |" in out
+    assert "433 GFLOP/s" in out and "| engine #0 | 2 |" in out and "Poisson" not in out
+    assert cli.main(["floor", str(path), "--poisson", "2"]) == 0
+    assert "Poisson arrivals" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="must be positive"):
         cli.main(["floor", str(path), "--attn-gflops", "0"])
     with pytest.raises(SystemExit, match="not a"):

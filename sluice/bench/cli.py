@@ -204,6 +204,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"projections' FLOPs per prompt token (default SmolLM2-135M's, {d.linear_flop_per_token / 1e6:.2f})")
     p.add_argument("--attn-kflop-per-context-token", type=float, default=d.attn_flop_per_context_token / 1e3,
                    help=f"attention FLOPs per prompt token per token of context (default {d.attn_flop_per_context_token / 1e3:g})")
+    p.add_argument("--poisson", type=int, default=0, metavar="N",
+                   help="also replay each run's calls at Poisson arrivals of the same rate, N draws (default 0)")
     return parser
 
 
@@ -448,13 +450,15 @@ def cmd_floor(args: argparse.Namespace) -> int:
     for name in ("linear_gflops", "attn_gflops", "linear_mflop_per_token", "attn_kflop_per_context_token"):
         if not getattr(args, name) > 0:
             raise SystemExit(f"--{name.replace('_', '-')} must be positive")
+    if args.poisson < 0:
+        raise SystemExit("--poisson must be 0 or more")
     cost = PromptCost(linear_flop_per_token=args.linear_mflop_per_token * 1e6,
                       attn_flop_per_context_token=args.attn_kflop_per_context_token * 1e3,
                       linear_rate=args.linear_gflops * 1e9, attn_rate=args.attn_gflops * 1e9)
     rows = []
     for path in args.results:
         try:
-            rows.extend(floor_rows(path, cost))
+            rows.extend(floor_rows(path, cost, poisson=args.poisson))
         except (OSError, ValueError, KeyError) as e:
             raise SystemExit(f"{path}: {e}") from None
     print(floor_table(rows, cost))

@@ -13,12 +13,15 @@ less prompt work per call or faster arithmetic, not a scheduler.
 
 Caveats: arrivals are the recorded ones (a closed loop sends a workflow's next call when its last
 one ends, so an engine that finished calls in another order would see other arrival times; the
-call rate is set by the run's throughput), and SRPT minimises the mean, not the 90th percentile,
-so it is an ideal schedule, not a proof that no order could do better at p90.
+call rate is set by the run's throughput; `--poisson N` also replays the same calls' work in a
+random order at Poisson arrivals of the same rate, N draws, for a reading that does not hang on
+the recorded burstiness), and SRPT minimises the mean, not the 90th percentile, so it is an
+ideal schedule, not a proof that no order could do better at p90.
 """
 from __future__ import annotations
 
 import heapq
+import random
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
@@ -89,6 +92,26 @@ def srpt_response_times(jobs: Sequence[tuple[float, float]]) -> list[float]:
     return out
 
 
+def poisson_jobs(jobs: Sequence[tuple[float, float]], seed: int) -> list[tuple[float, float]]:
+    """The same works in a random order, arriving as a Poisson stream at the jobs' mean rate (their
+    count over the span of their arrivals), starting at the first arrival."""
+    if len(jobs) < 2:
+        return list(jobs)
+    arrivals = [a for a, _ in jobs]
+    span = max(arrivals) - min(arrivals)
+    if span <= 0:
+        return list(jobs)
+    rng = random.Random(seed)
+    works = [w for _, w in jobs]
+    rng.shuffle(works)
+    rate = (len(jobs) - 1) / span
+    t, out = min(arrivals), []
+    for w in works:
+        out.append((t, w))
+        t += rng.expovariate(rate)
+    return out
+
+
 @dataclass
 class FloorRow:
     label: str
@@ -100,15 +123,18 @@ class FloorRow:
     own: tuple[Optional[float], Optional[float]]           # each call's prompt alone
     fcfs: tuple[Optional[float], Optional[float]]
     srpt: tuple[Optional[float], Optional[float]]
+    # SRPT's p90 over `poisson` draws of Poisson arrivals (min, max); None without them.
+    srpt_poisson_p90: Optional[tuple[float, float]] = None
 
 
 def _p50_p90(values: Sequence[float]) -> tuple[Optional[float], Optional[float]]:
     return percentile(values, 50), percentile(values, 90)
 
 
-def floor_rows(path: Path, cost: PromptCost) -> list[FloorRow]:
+def floor_rows(path: Path, cost: PromptCost, poisson: int = 0) -> list[FloorRow]:
     """One row per run of a results.json: its successful calls' measured TTFT beside the ideal
-    engine's, as p50 / p90. Calls without a server-reported prompt length are left out."""
+    engine's, as p50 / p90. Calls without a server-reported prompt length are left out. With
+    `poisson` > 0, also SRPT's p90 range over that many Poisson-arrival draws (seeds 0, 1, ...)."""
     label, runs, _ = load_results(path)
     rows = []
     for run in runs:
@@ -125,6 +151,9 @@ def floor_rows(path: Path, cost: PromptCost) -> list[FloorRow]:
             fcfs=_p50_p90(fcfs_response_times(jobs)),
             srpt=_p50_p90(srpt_response_times(jobs)),
         ))
+        if poisson > 0 and len(jobs) >= 2:
+            p90s = [percentile(srpt_response_times(poisson_jobs(jobs, seed)), 90) for seed in range(poisson)]
+            rows[-1].srpt_poisson_p90 = (min(p90s), max(p90s))
     return rows
 
 
@@ -132,16 +161,22 @@ def floor_table(rows: Sequence[FloorRow], cost: PromptCost) -> str:
     def pair(p: tuple[Optional[float], Optional[float]]) -> str:
         return " / ".join("n/a" if v is None else f"{v:.3f}" for v in p)
 
+    poisson = any(r.srpt_poisson_p90 is not None for r in rows)
     lines = [
         f"Ideal engine: prompt tokens at {cost.linear_rate / 1e9:.0f} GFLOP/s (projections, "
         f"{cost.linear_flop_per_token / 1e6:.1f} MFLOP a token) and {cost.attn_rate / 1e9:.0f} GFLOP/s "
         f"(attention, {cost.attn_flop_per_context_token / 1e3:.2f} kFLOP per token of context); "
         "decodes, scheduling and HTTP free. TTFT p50 / p90 in seconds.",
         "",
-        "| run | calls | output tok/s | ideal prompt busy share | measured | own prompt alone | ideal FCFS | ideal SRPT |",
-        "|---|---:|---:|---:|---|---|---|---|",
+        "| run | calls | output tok/s | ideal prompt busy share | measured | own prompt alone | ideal FCFS | ideal SRPT |"
+        + (" ideal SRPT p90, Poisson arrivals (min-max) |" if poisson else ""),
+        "|---|---:|---:|---:|---|---|---|---|" + ("---|" if poisson else ""),
     ]
     for r in rows:
-        lines.append(f"| {r.label} #{r.repeat} | {r.calls} | {r.output_tok_s:.1f} | {r.prompt_busy:.2f} | "
-                     f"{pair(r.measured)} | {pair(r.own)} | {pair(r.fcfs)} | {pair(r.srpt)} |")
+        line = (f"| {r.label} #{r.repeat} | {r.calls} | {r.output_tok_s:.1f} | {r.prompt_busy:.2f} | "
+                f"{pair(r.measured)} | {pair(r.own)} | {pair(r.fcfs)} | {pair(r.srpt)} |")
+        if poisson:
+            q = r.srpt_poisson_p90
+            line += " n/a |" if q is None else f" {q[0]:.3f}-{q[1]:.3f} |"
+        lines.append(line)
     return "\n".join(lines)
