@@ -92,20 +92,22 @@ def srpt_response_times(jobs: Sequence[tuple[float, float]]) -> list[float]:
     return out
 
 
+def _span(jobs: Sequence[tuple[float, float]]) -> float:
+    """Seconds from the first arrival to the last (0 for fewer than two jobs)."""
+    return max(a for a, _ in jobs) - min(a for a, _ in jobs) if jobs else 0.0
+
+
 def poisson_jobs(jobs: Sequence[tuple[float, float]], seed: int) -> list[tuple[float, float]]:
     """The same works in a random order, arriving as a Poisson stream at the jobs' mean rate (their
     count over the span of their arrivals), starting at the first arrival."""
-    if len(jobs) < 2:
-        return list(jobs)
-    arrivals = [a for a, _ in jobs]
-    span = max(arrivals) - min(arrivals)
+    span = _span(jobs)
     if span <= 0:
         return list(jobs)
     rng = random.Random(seed)
     works = [w for _, w in jobs]
     rng.shuffle(works)
     rate = (len(jobs) - 1) / span
-    t, out = min(arrivals), []
+    t, out = min(a for a, _ in jobs), []
     for w in works:
         out.append((t, w))
         t += rng.expovariate(rate)
@@ -141,7 +143,11 @@ def floor_rows(path: Path, cost: PromptCost, poisson: int = 0) -> list[FloorRow]
         calls = [c for c in run.calls if c.ok and c.first_token_time is not None and c.prompt_tokens is not None]
         jobs = [(c.send_time, cost.seconds(c.prompt_tokens - (c.cached_tokens or 0), c.cached_tokens or 0))
                 for c in calls]
-        span = (max(c.send_time for c in calls) - min(c.send_time for c in calls)) if calls else 0.0
+        span = _span(jobs)
+        poisson_p90 = None
+        if poisson > 0 and len(jobs) >= 2:
+            p90s = [percentile(srpt_response_times(poisson_jobs(jobs, seed)), 90) for seed in range(poisson)]
+            poisson_p90 = (min(p90s), max(p90s))
         rows.append(FloorRow(
             label=label, repeat=run.repeat, calls=len(calls),
             output_tok_s=run.summary.output_throughput,
@@ -150,10 +156,8 @@ def floor_rows(path: Path, cost: PromptCost, poisson: int = 0) -> list[FloorRow]
             own=_p50_p90([w for _, w in jobs]),
             fcfs=_p50_p90(fcfs_response_times(jobs)),
             srpt=_p50_p90(srpt_response_times(jobs)),
+            srpt_poisson_p90=poisson_p90,
         ))
-        if poisson > 0 and len(jobs) >= 2:
-            p90s = [percentile(srpt_response_times(poisson_jobs(jobs, seed)), 90) for seed in range(poisson)]
-            rows[-1].srpt_poisson_p90 = (min(p90s), max(p90s))
     return rows
 
 
