@@ -9,6 +9,10 @@ measures what the server and the client cost; its step trace shows what the engi
         [--max-num-batched-tokens 512] [--policy workflow] [--backend auto] [--step-trace PATH]
         [--speculative-config '{"method": "ngram"}'] [--kv-cache-tokens 24064] [--admission load]
         [--max-active-workflows N|auto|none] [--auto-overhead-band LOW,HIGH] [--calls-out PATH] [--phases]
+        [--history synthetic|actual]
+
+`--history actual` puts the engine's own reply in each next call's conversation, as `sluice bench
+--history actual` (the sustained pairs' setting) does; the default is the drawn reply text.
 """
 from __future__ import annotations
 
@@ -19,7 +23,8 @@ import statistics
 import time
 from pathlib import Path
 
-from sluice.bench.workload import RequestTarget, WorkloadConfig, make_workflow, synthetic_bodies
+from sluice.bench.workload import (History, RequestTarget, WorkloadConfig, append_step, initial_messages, make_workflow,
+                                   request_body)
 from sluice.cli import parse_max_active_workflows, parse_overhead_band, parse_speculative_config
 from sluice.config import CacheConfig, EngineConfig, SchedulerConfig
 from sluice.engine.llm_engine import LLMEngine, WorkflowInfo
@@ -52,6 +57,8 @@ def main() -> None:
     ap.add_argument("--speculative-config", default=None, help="as `sluice serve`'s flag")
     ap.add_argument("--calls-out", default=None,
                     help="write one JSON line per call: id, submit and first-token times, prompt and cached tokens")
+    ap.add_argument("--history", choices=[h.value for h in History], default=History.SYNTHETIC.value,
+                    help="the assistant reply in the next call's history: drawn text, or the engine's own")
     ap.add_argument("--phases", action="store_true",
                     help="time the model's forward, the LM head and the sampler apart and print the split")
     args = ap.parse_args()
@@ -78,7 +85,9 @@ def main() -> None:
         text = tok.apply_chat_template(body["messages"], add_generation_prompt=True)
         return tok.encode(text, add_special_tokens=False)
 
-    flows = {i: (make_workflow(cfg, i), synthetic_bodies(cfg, target, i)) for i in range(args.workflows)}
+    history = History(args.history)
+    flows = {i: make_workflow(cfg, i) for i in range(args.workflows)}
+    conversations = {i: initial_messages(cfg, wf) for i, wf in flows.items()}   # what step j sends
     pending = list(range(args.workflows))[::-1]        # workflows not started, popped in order
     due: list[tuple[float, int, int]] = []             # (time, workflow, step) calls waiting on a tool
     started: dict[str, float] = {}
@@ -86,8 +95,8 @@ def main() -> None:
     t0 = time.monotonic()
 
     def submit(i: int, j: int) -> None:
-        wf, bodies = flows[i]
-        body = bodies[j]
+        wf = flows[i]
+        body = request_body(cfg, target, wf, j, conversations[i])
         rid = f"w{i}-s{j}"
         eng.add_request(rid, prompt(body),
                         SamplingParams(max_tokens=body["max_tokens"], temperature=0.0, ignore_eos=True),
@@ -137,8 +146,10 @@ def main() -> None:
             if n > 1:
                 speed.append((n - 1) / max(1e-9, end - first[rid]))
             i, j = (int(x[1:]) for x in rid.split("-"))
-            wf, _ = flows[i]
+            wf = flows[i]
             if j + 1 < wf.num_steps:
+                step = wf.steps[j]
+                append_step(conversations[i], step, step.reply if history is History.SYNTHETIC else out.outputs[0].text)
                 heapq.heappush(due, (end + wf.steps[j].tool_latency_s, i, j + 1))
             else:
                 slots += 1
@@ -148,7 +159,7 @@ def main() -> None:
     q = statistics.quantiles(ttft, n=10)
     q99 = statistics.quantiles(ttft, n=100)[98]
     print(f"{args.workflows} workflows, concurrency {args.concurrency}, budget {args.max_num_batched_tokens}, "
-          f"policy {args.policy}, backend {args.backend}, admission {args.admission}, "
+          f"policy {args.policy}, backend {args.backend}, admission {args.admission}, history {history.value}, "
           f"KV {eng.scheduler.pool.num_blocks * eng.scheduler.block_size} tokens")
     print(f"wall {wall:.1f} s, output tokens {out_tokens}, aggregate {out_tokens / wall:.1f} tok/s, "
           f"generation speed p50 {statistics.median(speed):.1f} tok/s, TTFT p50 {statistics.median(ttft):.2f} s "
