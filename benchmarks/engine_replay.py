@@ -150,7 +150,7 @@ def main() -> None:
             if j + 1 < wf.num_steps:
                 step = wf.steps[j]
                 append_step(conversations[i], step, step.reply if history is History.SYNTHETIC else out.outputs[0].text)
-                heapq.heappush(due, (end + wf.steps[j].tool_latency_s, i, j + 1))
+                heapq.heappush(due, (end + step.tool_latency_s, i, j + 1))
             else:
                 slots += 1
     wall = time.monotonic() - t0
