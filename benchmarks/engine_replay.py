@@ -9,10 +9,18 @@ measures what the server and the client cost; its step trace shows what the engi
         [--max-num-batched-tokens 512] [--policy workflow] [--backend auto] [--step-trace PATH]
         [--speculative-config '{"method": "ngram"}'] [--kv-cache-tokens 24064] [--admission load]
         [--max-active-workflows N|auto|none] [--auto-overhead-band LOW,HIGH] [--calls-out PATH] [--phases]
-        [--history synthetic|actual]
+        [--history synthetic|actual] [--seed N] [--close-step-tokens N|none] [--virtual-clock [--step-cost ...]]
 
 `--history actual` puts the engine's own reply in each next call's conversation, as `sluice bench
 --history actual` (the sustained pairs' setting) does; the default is the drawn reply text.
+
+`--virtual-clock` runs the same engine (real forwards, real tokens, real drafts) on simulated
+time: each step lasts what a linear model of its shape says (`--step-cost`, ms per prompt token,
+per prompt token and 1k tokens of its context, per decode or draft row, per 1k tokens of decode
+context, per step; the default is session 37's split of a Zen 4 trace, R^2 0.997), tool
+latencies and submissions follow that clock, and the scheduler sees only it. The result no longer
+depends on the host's speed or noise: two scheduler settings compare exactly, and runs can go side
+by side (`--threads 1`). What it cannot show is a change to the step's real cost.
 """
 from __future__ import annotations
 
@@ -25,17 +33,58 @@ from pathlib import Path
 
 from sluice.bench.workload import (History, RequestTarget, WorkloadConfig, append_step, initial_messages, make_workflow,
                                    request_body)
-from sluice.cli import parse_max_active_workflows, parse_overhead_band, parse_speculative_config
+from sluice.cli import (parse_close_step_tokens, parse_max_active_workflows, parse_overhead_band,
+                        parse_speculative_config)
 from sluice.config import CacheConfig, EngineConfig, SchedulerConfig
 from sluice.engine.llm_engine import LLMEngine, WorkflowInfo
 from sluice.model.loader import load_model_config, resolve_model_path
 from sluice.sampling_params import SamplingParams
 
 
+# Session 37's split of a bound-9 Zen 4 step trace (docs/measured/s37/step-split.txt), with the
+# per-step term raised from the forward's 5.3 ms by the 2.9 ms a step spends outside it (session
+# 38: a real replay's wall clock less its trace's forward time, over 1,686 steps).
+STEP_COST_MS = (0.518, 0.166, 0.865, 0.791, 8.2)
+
+
+class VirtualClock:
+    """Simulated seconds for `--virtual-clock`: `LLMEngine.step_hook` advances it by each step's
+    modelled cost, the replay by the idle time until the next call is due."""
+
+    def __init__(self, cost_ms: tuple[float, ...]) -> None:
+        self.now = 0.0
+        self.per_token, self.per_token_ctx, self.per_row, self.per_decode_ctx, self.per_step = cost_ms
+
+    def __call__(self) -> float:
+        return self.now
+
+    def on_step(self, sched) -> None:
+        """Before the step's results are applied: `num_computed_tokens` is still the context."""
+        tokens = attn = rows = decode_ctx = 0.0
+        for req, n in sched.scheduled:
+            if n == 1 or req.request_id in sched.spec_tokens:
+                rows += n
+                decode_ctx += req.num_computed_tokens
+            else:
+                tokens += n
+                attn += n * (req.num_computed_tokens + n / 2)
+        self.now += (self.per_token * tokens + self.per_token_ctx * attn / 1e3 + self.per_row * rows
+                     + self.per_decode_ctx * decode_ctx / 1e3 + self.per_step) / 1e3
+
+
+def parse_step_cost(text: str) -> tuple[float, ...]:
+    values = tuple(float(v) for v in text.split(","))
+    if len(values) != 5 or min(values) < 0:
+        raise argparse.ArgumentTypeError("five non-negative numbers: ms per prompt token, per prompt token "
+                                         "per 1k context, per decode row, per 1k decode context, per step")
+    return values
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default=None)
     ap.add_argument("--workflows", type=int, default=32)
+    ap.add_argument("--seed", type=int, default=0, help="the workload's seed, as `sluice bench --seed`")
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--max-num-batched-tokens", type=int, default=512)
     ap.add_argument("--policy", default="workflow")
@@ -46,6 +95,8 @@ def main() -> None:
                     help="as `sluice serve`'s flag, default auto (with --admission load)")
     ap.add_argument("--auto-overhead-band", type=parse_overhead_band, default=None, metavar="LOW,HIGH",
                     help="as `sluice serve`'s flag")
+    ap.add_argument("--close-step-tokens", type=parse_close_step_tokens, default=SchedulerConfig.close_step_tokens,
+                    metavar="N|none", help="as `sluice serve`'s flag")
     ap.add_argument("--backend", default="auto")
     ap.add_argument("--kv-cache-gib", type=float, default=1.0)
     ap.add_argument("--kv-cache-tokens", type=int, default=None, help="instead of --kv-cache-gib")
@@ -61,10 +112,16 @@ def main() -> None:
                     help="the assistant reply in the next call's history: drawn text, or the engine's own")
     ap.add_argument("--phases", action="store_true",
                     help="time the model's forward, the LM head and the sampler apart and print the split")
+    ap.add_argument("--virtual-clock", action="store_true",
+                    help="simulated time from a model of each step's cost (see the module docstring)")
+    ap.add_argument("--step-cost", type=parse_step_cost, default=STEP_COST_MS, metavar="A,B,C,D,E",
+                    help="the virtual clock's cost model (default: session 37's Zen 4 split)")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads for the forward")
     args = ap.parse_args()
 
     path = resolve_model_path(args.model)
     mcfg = load_model_config(path)
+    clock = VirtualClock(args.step_cost) if args.virtual_clock else time.monotonic
     eng = LLMEngine(EngineConfig(
         model_path=str(path), model=mcfg,
         cache=(CacheConfig(kv_cache_tokens=args.kv_cache_tokens, block_size=args.block_size) if args.kv_cache_tokens
@@ -73,12 +130,15 @@ def main() -> None:
                                   max_model_len=mcfg.max_position_embeddings, policy=args.policy,
                                   aging_s=args.aging_s, decode_yield_steps=args.decode_yield_steps,
                                   max_active_workflows=args.max_active_workflows,
-                                  auto_overhead_band=args.auto_overhead_band),
+                                  auto_overhead_band=args.auto_overhead_band,
+                                  close_step_tokens=args.close_step_tokens),
         attention_backend=args.backend, step_trace_path=args.step_trace,
-        speculative=parse_speculative_config(args.speculative_config)))
+        speculative=parse_speculative_config(args.speculative_config), num_threads=args.threads), clock=clock)
+    if args.virtual_clock:
+        eng.step_hook = clock.on_step
     tok = eng.tokenizer
     phases = _time_phases(eng) if args.phases else None
-    cfg = WorkloadConfig()
+    cfg = WorkloadConfig(seed=args.seed)
     target = RequestTarget(model="replay", run_id="replay")
 
     def prompt(body: dict) -> list[int]:
@@ -92,16 +152,19 @@ def main() -> None:
     due: list[tuple[float, int, int]] = []             # (time, workflow, step) calls waiting on a tool
     started: dict[str, float] = {}
     ttft, speed, out_tokens = [], [], 0
-    t0 = time.monotonic()
+    t0 = clock()
 
-    def submit(i: int, j: int) -> None:
+    def submit(i: int, j: int, sent: float | None = None) -> None:
+        """Workflow i's call j, sent at `sent` (a tool call's end: the loop only sees it between
+        steps, while a server's client sends it then and it waits for the step running; its
+        TTFT counts from then) or now."""
         wf = flows[i]
         body = request_body(cfg, target, wf, j, conversations[i])
         rid = f"w{i}-s{j}"
         eng.add_request(rid, prompt(body),
                         SamplingParams(max_tokens=body["max_tokens"], temperature=0.0, ignore_eos=True),
-                        WorkflowInfo(f"wf{i}", j == wf.num_steps - 1))
-        started[rid] = time.monotonic()
+                        WorkflowInfo(f"wf{i}", j == wf.num_steps - 1), arrival_time=sent)
+        started[rid] = clock() if sent is None else sent
 
     gated = args.admission == "load"
     slots = args.concurrency   # free client slots: a workflow ended and the next is not started
@@ -117,14 +180,17 @@ def main() -> None:
     calls_out = open(args.calls_out, "w") if args.calls_out else None
     admit()
     while eng.has_unfinished() or due or pending:
-        now = time.monotonic()
+        now = clock()
         while due and due[0][0] <= now:
-            _, i, j = heapq.heappop(due)
-            submit(i, j)
+            sent, i, j = heapq.heappop(due)
+            submit(i, j, sent)
         admit()   # as `sluice bench --admission load` against the server: /load decides (an idle
                   # engine's exception to the `auto` bound is the scheduler's, WorkflowLimit.room)
         if not eng.has_unfinished():
-            time.sleep(max(0.0, min(0.05, due[0][0] - now)) if due else 0.0)
+            if args.virtual_clock:
+                clock.now = max(now + 1e-3, due[0][0]) if due else now + 0.01
+            else:
+                time.sleep(max(0.0, min(0.05, due[0][0] - now)) if due else 0.0)
             continue
         outs = eng.step()
         lim = eng.scheduler.workflow_limit
@@ -132,7 +198,7 @@ def main() -> None:
         for out in outs:
             rid = out.request_id
             if rid not in first and out.outputs[0].token_ids:
-                first[rid] = time.monotonic()
+                first[rid] = clock()
                 ttft.append(first[rid] - started[rid])
                 if calls_out is not None:
                     calls_out.write(json.dumps({
@@ -142,7 +208,7 @@ def main() -> None:
                 continue
             n = len(out.outputs[0].token_ids)
             out_tokens += n
-            end = time.monotonic()
+            end = clock()
             if n > 1:
                 speed.append((n - 1) / max(1e-9, end - first[rid]))
             i, j = (int(x[1:]) for x in rid.split("-"))
@@ -153,7 +219,7 @@ def main() -> None:
                 heapq.heappush(due, (end + step.tool_latency_s, i, j + 1))
             else:
                 slots += 1
-    wall = time.monotonic() - t0
+    wall = clock() - t0
     if calls_out is not None:
         calls_out.close()
     q = statistics.quantiles(ttft, n=10)

@@ -50,6 +50,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="while prompt tokens wait, running decodes sit out up to N consecutive steps so "
                         "the prompts get them alone (lower time to first token); 0: every step carries "
                         "every decode (default 1)")
+    p.add_argument("--close-step-tokens", type=parse_close_step_tokens, default=256, metavar="N|none",
+                   help="once a step holds N tokens, the first prompt it completes closes it to further "
+                        "prompt chunks, so that call's first token is not held back by work starting "
+                        "in the same step; none: prompt chunks fill the token budget (default 256)")
     p.add_argument("--attention-backend", default="auto")
     p.add_argument("--stall-timeout", type=float, default=30.0, metavar="SECONDS",
                    help="calls the engine schedules nothing for this long (a scheduler fault) end with a 500 "
@@ -88,6 +92,18 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                         "dropped first; 0 keeps none (default 1024)")
     p.add_argument("--fault-inject-after-steps", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--fault-inject-stall-after-steps", type=int, default=None, help=argparse.SUPPRESS)
+
+
+def parse_close_step_tokens(text: str) -> Optional[int]:
+    if text.strip().lower() == "none":
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a token count >= 0 or 'none', got {text!r}")
+    return value
 
 
 def parse_overhead_band(text: str) -> tuple[float, float]:
@@ -160,6 +176,7 @@ def build_engine_config(args: argparse.Namespace):
             max_active_workflows=args.max_active_workflows,
             auto_overhead_band=args.auto_overhead_band,
             decode_yield_steps=args.decode_yield_steps,
+            close_step_tokens=args.close_step_tokens,
         ),
         dtype=parse_dtype(args.dtype),
         seed=args.seed,

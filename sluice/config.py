@@ -111,6 +111,10 @@ class SchedulerConfig:
     # the prompts get those steps alone and their first tokens come one decode pass sooner
     # (0: every step carries every running decode first). See Scheduler.schedule.
     decode_yield_steps: int = 1
+    # Once a step holds this many tokens, the first prompt it completes closes it to further
+    # prompt chunks, so that call's first token does not wait for work that only starts there
+    # (None: prompt chunks fill the token budget). See Scheduler.schedule.
+    close_step_tokens: Optional[int] = 256
 
     def __post_init__(self) -> None:
         if self.max_num_seqs <= 0 or self.max_num_batched_tokens <= 0 or self.max_model_len <= 0:
@@ -127,6 +131,8 @@ class SchedulerConfig:
             raise ValueError('auto_overhead_band steers max_active_workflows="auto" and means nothing with a fixed or no bound')
         if self.decode_yield_steps < 0:
             raise ValueError("decode_yield_steps must be >= 0")
+        if self.close_step_tokens is not None and self.close_step_tokens < 0:
+            raise ValueError("close_step_tokens must be >= 0 (or None: prompts fill the budget)")
 
 
 @dataclass(frozen=True)

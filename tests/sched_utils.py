@@ -46,6 +46,7 @@ def create_scheduler(
     decode_yield_steps: int = SchedulerConfig.decode_yield_steps,
     max_active_workflows=None,
     auto_overhead_band: Optional[tuple[float, float]] = None,
+    close_step_tokens: Optional[int] = None,
 ) -> Scheduler:
     """A scheduler over a real BlockPool, driven by a FakeClock (`scheduler.clock`)."""
     config = SchedulerConfig(
@@ -62,6 +63,7 @@ def create_scheduler(
         decode_yield_steps=decode_yield_steps,
         max_active_workflows=max_active_workflows,
         auto_overhead_band=auto_overhead_band,
+        close_step_tokens=close_step_tokens,
     )
     cache = CacheConfig(block_size=block_size, enable_prefix_caching=enable_prefix_caching)
     return Scheduler(config, cache, num_blocks, clock=FakeClock(), speculative=speculative)

@@ -30,6 +30,7 @@ configs = st.fixed_dictionaries({
     "retention_ttl_s": st.sampled_from([0.0, 3.0, 10.0]),
     "aging_s": st.sampled_from([0.0, 1.0, 5.0]),
     "speculative": st.sampled_from([None, None, SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=1)]),
+    "close_step_tokens": st.sampled_from([None, 0, 8, 256]),
 })
 
 # Each operation is a kind and a seed; the seed picks its details (compact for hypothesis to

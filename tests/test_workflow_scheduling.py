@@ -119,6 +119,116 @@ def test_held_prefix_goes_first_within_a_level():
     assert_all_released(s)
 
 
+def test_shortest_remaining_prompt_goes_first_within_a_level():
+    """Two new workflows (level 0, nothing resident): the workflow policy takes the call with
+    fewer tokens to compute first, whatever their arrival order; fcfs takes the earlier one."""
+    for policy, expected in (("workflow", "short"), ("fcfs", "long")):
+        s = create_scheduler(policy=policy, max_num_seqs=1)
+        create_request(s, "long", 300, max_tokens=1, workflow_id="long-wf")
+        s.clock.advance(1)
+        create_request(s, "short", 50, max_tokens=1, workflow_id="short-wf")
+        assert first_admitted(s) == expected, policy
+        drain(s)
+        assert_all_released(s)
+
+
+def test_remaining_prompt_counts_what_the_workflow_retains():
+    """A resident call's remaining work is what lies beyond its workflow's retained KV: a long
+    follow-up with a short new turn goes before a shorter call with more new tokens, among
+    resident calls of one level."""
+    s = create_scheduler(policy="workflow", max_num_seqs=2)
+    prompts = {w: unique_prompt(200) for w in ("a", "b")}
+    for w in ("a", "b"):
+        create_request(s, f"{w}0", prompts[w], max_tokens=1, workflow_id=w)
+    drain(s)
+    s.clock.advance(1)
+    create_request(s, "b1", prompts["b"] + unique_prompt(100), max_tokens=1, workflow_id="b")   # 100 new
+    s.clock.advance(1)
+    a1 = create_request(s, "a1", prompts["a"] + unique_prompt(20) + unique_prompt(100)[:10], max_tokens=1,
+                        workflow_id="a")   # 30 new, 230 in all
+    wf = s.workflows.workflows
+    assert s.policy.remaining(a1, wf["a"]) == 30 and s.policy.remaining(s.requests["b1"], wf["b"]) == 100
+    out, _ = run_step(s)
+    assert [r.request_id for r, _ in out.scheduled] == ["a1", "b1"]
+    drain(s)
+    assert_all_released(s)
+
+
+def three_prompts(close_step_tokens, sizes=(300, 300, 300), budget=1024):
+    s = create_scheduler(policy="fcfs", max_num_batched_tokens=budget, close_step_tokens=close_step_tokens)
+    for i, n in enumerate(sizes):
+        create_request(s, f"p{i}", n, max_tokens=2, ignore_eos=True)
+        s.clock.advance(1)
+    return s
+
+
+def test_a_completed_prompt_closes_the_step_to_more_prompt_work():
+    """With close_step_tokens 256, the step that completes p0's 300-token prompt takes no more
+    prompt work (its first token would wait for it); the next prompts follow one a step (the
+    first decode sits that step out: decode_yield_steps). Without it, the budget takes all three."""
+    s = three_prompts(256)
+    out, _ = run_step(s)
+    assert scheduled_ids(out) == [("p0", 300)] and out.samples == [True]
+    assert [r.request_id for r in s.waiting] == ["p1", "p2"]
+    out, _ = run_step(s)
+    assert scheduled_ids(out) == [("p1", 300)]
+    drain(s)
+    assert_all_released(s)
+    s = three_prompts(None)
+    out, _ = run_step(s)
+    assert scheduled_ids(out) == [("p0", 300), ("p1", 300), ("p2", 300)]
+    drain(s)
+    assert_all_released(s)
+
+
+def test_a_prompt_completed_below_the_threshold_leaves_the_step_open():
+    """p0's 100 tokens finish at 100 < 256: the step goes on to p1 (400 tokens), which closes it."""
+    s = three_prompts(256, sizes=(100, 300, 300))
+    out, _ = run_step(s)
+    assert scheduled_ids(out) == [("p0", 100), ("p1", 300)]
+    drain(s)
+    assert_all_released(s)
+    s = three_prompts(0, sizes=(100, 300, 300))   # 0: every completed prompt closes its step
+    out, _ = run_step(s)
+    assert scheduled_ids(out) == [("p0", 100)]
+    drain(s)
+    assert_all_released(s)
+
+
+def test_the_last_chunk_of_a_running_prompt_closes_the_step():
+    """p0 (800 tokens) runs in chunks of the 512-token budget; its last 288 complete it and close
+    the step, so p1 (arrived meanwhile) starts in the next step, with the budget left unspent."""
+    s = three_prompts(256, sizes=(800,), budget=512)
+    out, _ = run_step(s)
+    assert scheduled_ids(out) == [("p0", 512)]
+    create_request(s, "p1", 200, max_tokens=2, ignore_eos=True)
+    out, _ = run_step(s)
+    assert scheduled_ids(out) == [("p0", 288)] and out.num_batched_tokens == 288
+    out, _ = run_step(s)
+    assert scheduled_ids(out) == [("p1", 200)]
+    drain(s)
+    assert_all_released(s)
+
+
+def test_close_step_tokens_is_a_server_flag_256_by_default_and_validated():
+    import argparse
+
+    from sluice.cli import add_engine_args, build_engine_config
+    from sluice.config import SchedulerConfig
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    assert build_engine_config(parser.parse_args([])).scheduler.close_step_tokens == 256
+    assert SchedulerConfig().close_step_tokens == 256
+    assert build_engine_config(parser.parse_args(["--close-step-tokens", "0"])).scheduler.close_step_tokens == 0
+    assert build_engine_config(parser.parse_args(["--close-step-tokens", "none"])).scheduler.close_step_tokens is None
+    for bad in ("-1", "many", "2.5"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["--close-step-tokens", bad])
+    with pytest.raises(ValueError, match="close_step_tokens"):
+        SchedulerConfig(close_step_tokens=-1)
+
+
 # --- KV retention -------------------------------------------------------------------------------
 def first_call(s, workflow_id="agent", is_last_step=False):
     """44 prompt + 5 output tokens: 48 computed at the end, three full blocks of 16."""

@@ -71,6 +71,9 @@ class LLMEngine:
         torch.manual_seed(config.seed)
         self.config = config
         self.clock = clock
+        # Called with each step's schedule right after its forward, before the step's results
+        # are applied (benchmarks/engine_replay.py --virtual-clock advances its clock there).
+        self.step_hook: Optional[Callable[[SchedulerOutput], None]] = None
         path = config.model_path
         from pathlib import Path
 
@@ -210,7 +213,7 @@ class LLMEngine:
 
     # --- the step ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        start = time.perf_counter()
+        start = self.clock()
         outputs, self._pending = self._pending, []
         sched = self.scheduler.schedule()
         if sched.empty:
@@ -220,6 +223,8 @@ class LLMEngine:
         t0 = time.perf_counter()
         result = self.runner.execute(sched)
         t1 = time.perf_counter()
+        if self.step_hook is not None:
+            self.step_hook(sched)
         logprobs = self._logprobs_by_request(sched, result.logprobs)
         updated = self.scheduler.update_from_output(sched, result.sampled_token_ids)
         outputs.extend(self._process(updated, logprobs))
@@ -227,7 +232,7 @@ class LLMEngine:
         if self._trace is not None or limit.auto:
             dec, pre = self._split(sched)
             if limit.auto:
-                limit.observe_step(start, time.perf_counter(), self._shape(sched, dec, pre),
+                limit.observe_step(start, self.clock(), self._shape(sched, dec, pre),
                                    self.scheduler.workflows.num_active)
             if self._trace is not None:
                 self._trace_step(sched, dec, pre, t0, t1)
@@ -264,6 +269,7 @@ class LLMEngine:
             # after the step: prompt tokens still to compute, and workflows in flight
             "backlog": self.scheduler.prefill_backlog(), "workflows": self.scheduler.workflows.num_active,
             "limit": self.scheduler.workflow_limit.value,
+            "ids": [[r.request_id, n] for r, n in sched.scheduled],
         }
         self._trace.write(json.dumps(rec) + "\n")
 

@@ -40,7 +40,9 @@ class WorkflowPolicy:
       workflow's calls so far) in quanta of `QUANTUM` tokens, so new and light workflows go first;
     - waiting promotes a call one level every `aging_s` seconds, so nothing starves;
     - within a level, a call whose workflow has KV resident (retained or held) goes before one that
-      would recompute, then earlier arrivals first.
+      would recompute, then the call with the fewest tokens left to compute before its first
+      token (shortest remaining prompt first: least total waiting, measured -9% TTFT p50 alone and
+      -23% with the scheduler's `close_step_tokens`, session 38), then earlier arrivals first.
 
     Under memory pressure (less than `PRESSURE_FREE_FRACTION` of the blocks free or evictable)
     least-attained-service would favour exactly the workflows whose KV is not resident, evicting
@@ -81,7 +83,16 @@ class WorkflowPolicy:
             service = wf.service if wf else 0.0
             rank = 0 if starving else (1 if resident else 2)
             return (rank, -int(math.log2(1.0 + service / self.QUANTUM)), req.arrival_time)
-        return (self.level(req, now), 0 if resident else 1, req.arrival_time)
+        return (self.level(req, now), 0 if resident else 1, self.remaining(req, wf), req.arrival_time)
+
+    @staticmethod
+    def remaining(req: Request, wf) -> int:
+        """Tokens the call has left to compute before its first token, as far as is known without
+        a prefix-cache lookup: beyond what it computed, or what its workflow retains."""
+        done = req.num_computed_tokens
+        if wf is not None and wf.retention is not None:
+            done = max(done, wf.retention.num_tokens)
+        return max(0, req.num_tokens - done)
 
 
 PolicyFactory = Callable[[SchedulerConfig, WorkflowTracker], SchedulingPolicy]

@@ -13,6 +13,13 @@ time to first token of agent calls (a ~270-token tool result each) fell by ~12% 
 and ~14% at p90 on sustained traffic, throughput unchanged (docs/benchmarks.md, session 15).
 A step whose prompt work cannot run after all (no blocks, no sequence slot) carries the
 decodes as usual.
+Once a step holds `close_step_tokens` tokens (default 256), the first prompt it completes closes
+it to further prompt chunks: the call's first token comes at the step's end, and a chunk added
+after it would only hold it back (every token of a step finishes together) while starting work
+that the next step does as well. Steps of 256+ rows run the projections near their peak, so this
+costs a step's fixed cost now and then; on the replay (virtual clock, 3 seeds) it cut TTFT p50 by
+~18% alone and by ~23% with the workflow policy's shortest-remaining-prompt tie-break, throughput
+unchanged (docs/benchmarks.md, session 38).
 When blocks run out, retained workflow KV is released first; then a prefill chunk shrinks to
 the slots that remain, and a request that still cannot grow waits (up to `MAX_DEFER_STEPS`
 steps) while another running request can progress in the blocks it has, since calls finishing
@@ -125,6 +132,7 @@ class Scheduler:
         self.spec_drafts_total = 0             # verification entries with at least one draft
         self.spec_draft_tokens_total = 0
         self.spec_accepted_tokens_total = 0
+        self._prompts_closed = False   # this step takes no more prompt chunks (close_step_tokens)
         self._decode_yields = 0   # consecutive steps the running decodes sat out (decode_yield_steps)
         self.decode_yield_steps_total = 0
 
@@ -295,6 +303,7 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         taken: set[str] = set()
+        self._prompts_closed = False
 
         order = sorted(self.running, key=lambda r: (0 if r.is_decode else 1, self.policy.priority(r, now)))
         decodes = [r for r in order if r.is_decode]
@@ -326,6 +335,8 @@ class Scheduler:
                 break
             if req.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
+            if self._prompts_closed and not req.is_decode:
+                continue
             n = min(req.num_tokens_to_compute, budget)
             wait = False
             while not self.kv.allocate_slots(req, n):
@@ -361,7 +372,7 @@ class Scheduler:
         order = sorted(self.waiting, key=lambda r: self.policy.priority(r, now))
         admitted: list[Request] = []
         for req in order:
-            if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+            if budget <= 0 or len(self.running) >= self.config.max_num_seqs or self._prompts_closed:
                 break
             if self.states is not None and not self.states.num_free_seq_slots:
                 break
@@ -526,8 +537,13 @@ class Scheduler:
 
     def _take(self, out: SchedulerOutput, req: Request, n: int, taken: set[str]) -> None:
         out.scheduled.append((req, n))
-        out.samples.append(req.num_computed_tokens + n == req.num_tokens)
+        completes = req.num_computed_tokens + n == req.num_tokens
+        out.samples.append(completes)
         taken.add(req.request_id)
+        close = self.config.close_step_tokens
+        if (close is not None and completes and req.num_output_tokens == 0
+                and sum(k for _, k in out.scheduled) >= close):
+            self._prompts_closed = True   # this call's first token comes at this step's end
 
     def _others_can_progress(self, req: Request) -> bool:
         """Whether another running request has a free slot in its own blocks (it computes this
