@@ -136,6 +136,7 @@ def main() -> None:
         speculative=parse_speculative_config(args.speculative_config), num_threads=args.threads), clock=clock)
     if args.virtual_clock:
         eng.step_hook = clock.on_step
+        eng.step_timer = clock
     tok = eng.tokenizer
     phases = _time_phases(eng) if args.phases else None
     cfg = WorkloadConfig(seed=args.seed)

@@ -74,6 +74,8 @@ class LLMEngine:
         # Called with each step's schedule right after its forward, before the step's results
         # are applied (benchmarks/engine_replay.py --virtual-clock advances its clock there).
         self.step_hook: Optional[Callable[[SchedulerOutput], None]] = None
+        # What the auto bound times steps with (the virtual-clock replay sets its own clock).
+        self.step_timer: Callable[[], float] = time.perf_counter
         path = config.model_path
         from pathlib import Path
 
@@ -213,7 +215,7 @@ class LLMEngine:
 
     # --- the step ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        start = self.clock()
+        start = self.step_timer()
         outputs, self._pending = self._pending, []
         sched = self.scheduler.schedule()
         if sched.empty:
@@ -232,7 +234,7 @@ class LLMEngine:
         if self._trace is not None or limit.auto:
             dec, pre = self._split(sched)
             if limit.auto:
-                limit.observe_step(start, self.clock(), self._shape(sched, dec, pre),
+                limit.observe_step(start, self.step_timer(), self._shape(sched, dec, pre),
                                    self.scheduler.workflows.num_active)
             if self._trace is not None:
                 self._trace_step(sched, dec, pre, t0, t1)
