@@ -50,10 +50,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="while prompt tokens wait, running decodes sit out up to N consecutive steps so "
                         "the prompts get them alone (lower time to first token); 0: every step carries "
                         "every decode (default 1)")
-    p.add_argument("--close-step-tokens", type=parse_close_step_tokens, default=256, metavar="N|none",
+    p.add_argument("--close-step-tokens", type=parse_close_step_tokens, default=128, metavar="N|none",
                    help="once a step holds N tokens, the first prompt it completes closes it to further "
                         "prompt chunks, so that call's first token is not held back by work starting "
-                        "in the same step; none: prompt chunks fill the token budget (default 256)")
+                        "in the same step; none: prompt chunks fill the token budget (default 128)")
     p.add_argument("--attention-backend", default="auto")
     p.add_argument("--stall-timeout", type=float, default=30.0, metavar="SECONDS",
                    help="calls the engine schedules nothing for this long (a scheduler fault) end with a 500 "

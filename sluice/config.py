@@ -114,7 +114,7 @@ class SchedulerConfig:
     # Once a step holds this many tokens, the first prompt it completes closes it to further
     # prompt chunks, so that call's first token does not wait for work that only starts there
     # (None: prompt chunks fill the token budget). See Scheduler.schedule.
-    close_step_tokens: Optional[int] = 256
+    close_step_tokens: Optional[int] = 128
 
     def __post_init__(self) -> None:
         if self.max_num_seqs <= 0 or self.max_num_batched_tokens <= 0 or self.max_model_len <= 0:

@@ -210,7 +210,7 @@ def test_the_last_chunk_of_a_running_prompt_closes_the_step():
     assert_all_released(s)
 
 
-def test_close_step_tokens_is_a_server_flag_256_by_default_and_validated():
+def test_close_step_tokens_is_a_server_flag_128_by_default_and_validated():
     import argparse
 
     from sluice.cli import add_engine_args, build_engine_config
@@ -218,8 +218,8 @@ def test_close_step_tokens_is_a_server_flag_256_by_default_and_validated():
 
     parser = argparse.ArgumentParser()
     add_engine_args(parser)
-    assert build_engine_config(parser.parse_args([])).scheduler.close_step_tokens == 256
-    assert SchedulerConfig().close_step_tokens == 256
+    assert build_engine_config(parser.parse_args([])).scheduler.close_step_tokens == 128
+    assert SchedulerConfig().close_step_tokens == 128
     assert build_engine_config(parser.parse_args(["--close-step-tokens", "0"])).scheduler.close_step_tokens == 0
     assert build_engine_config(parser.parse_args(["--close-step-tokens", "none"])).scheduler.close_step_tokens is None
     for bad in ("-1", "many", "2.5"):

@@ -13,13 +13,14 @@ time to first token of agent calls (a ~270-token tool result each) fell by ~12% 
 and ~14% at p90 on sustained traffic, throughput unchanged (docs/benchmarks.md, session 15).
 A step whose prompt work cannot run after all (no blocks, no sequence slot) carries the
 decodes as usual.
-Once a step holds `close_step_tokens` tokens (default 256), the first prompt it completes closes
+Once a step holds `close_step_tokens` tokens (default 128), the first prompt it completes closes
 it to further prompt chunks: the call's first token comes at the step's end, and a chunk added
 after it would only hold it back (every token of a step finishes together) while starting work
-that the next step does as well. Steps of 256+ rows run the projections near their peak, so this
-costs a step's fixed cost now and then; on the replay (virtual clock, 3 seeds) it cut TTFT p50 by
-~18% alone and by ~23% with the workflow policy's shortest-remaining-prompt tie-break, throughput
-unchanged (docs/benchmarks.md, session 38).
+that the next step does as well. What it costs is a step's fixed cost now and then. On the
+replay (virtual clock, 3 seeds), with the workflow policy's shortest-remaining-prompt tie-break,
+it cut TTFT p50 by 14% (the agent's own replies in the history) and 19% (drawn replies),
+throughput unchanged; 256 did better on drawn replies (-23%) but only -3% on its own replies,
+whose calls have fewer new tokens (docs/benchmarks.md, session 38).
 When blocks run out, retained workflow KV is released first; then a prefill chunk shrinks to
 the slots that remain, and a request that still cannot grow waits (up to `MAX_DEFER_STEPS`
 steps) while another running request can progress in the blocks it has, since calls finishing
