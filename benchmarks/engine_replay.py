@@ -227,7 +227,8 @@ def main() -> None:
     q99 = statistics.quantiles(ttft, n=100)[98]
     print(f"{args.workflows} workflows, concurrency {args.concurrency}, budget {args.max_num_batched_tokens}, "
           f"policy {args.policy}, backend {args.backend}, admission {args.admission}, history {history.value}, "
-          f"KV {eng.scheduler.pool.num_blocks * eng.scheduler.block_size} tokens")
+          f"KV {eng.scheduler.pool.num_blocks * eng.scheduler.block_size} tokens"
+          + (f", virtual clock {','.join(map(str, args.step_cost))} (times below are modelled)" if args.virtual_clock else ""))
     print(f"wall {wall:.1f} s, output tokens {out_tokens}, aggregate {out_tokens / wall:.1f} tok/s, "
           f"generation speed p50 {statistics.median(speed):.1f} tok/s, TTFT p50 {statistics.median(ttft):.2f} s "
           f"p90 {q[8]:.2f} s p99 {q99:.2f} s")
