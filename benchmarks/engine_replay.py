@@ -53,23 +53,18 @@ class VirtualClock:
 
     def __init__(self, cost_ms: tuple[float, ...]) -> None:
         self.now = 0.0
-        self.per_token, self.per_token_ctx, self.per_row, self.per_decode_ctx, self.per_step = cost_ms
+        per_token, per_token_ctx, per_row, per_decode_ctx, per_step = cost_ms
+        # in the order of StepShape.features(): 1, rows, prompt tokens, prompt attention, decode context
+        self.weights = (per_step, per_row, per_token, per_token_ctx, per_decode_ctx)
 
     def __call__(self) -> float:
         return self.now
 
     def on_step(self, sched) -> None:
-        """Before the step's results are applied: `num_computed_tokens` is still the context."""
-        tokens = attn = rows = decode_ctx = 0.0
-        for req, n in sched.scheduled:
-            if n == 1 or req.request_id in sched.spec_tokens:
-                rows += n
-                decode_ctx += req.num_computed_tokens
-            else:
-                tokens += n
-                attn += n * (req.num_computed_tokens + n / 2)
-        self.now += (self.per_token * tokens + self.per_token_ctx * attn / 1e3 + self.per_row * rows
-                     + self.per_decode_ctx * decode_ctx / 1e3 + self.per_step) / 1e3
+        """Before the step's results are applied, so `num_computed_tokens` is still each entry's
+        context (the shape the auto bound fits is taken after, one chunk further on)."""
+        shape = LLMEngine._shape(sched, *LLMEngine._split(sched))
+        self.now += sum(w * f for w, f in zip(self.weights, shape.features())) / 1e3
 
 
 def parse_step_cost(text: str) -> tuple[float, ...]:
