@@ -45,6 +45,8 @@ from sluice.sampling_params import SamplingParams
 # per-step term raised from the forward's 5.3 ms by the 2.9 ms a step spends outside it (session
 # 38: a real replay's wall clock less its trace's forward time, over 1,686 steps).
 STEP_COST_MS = (0.518, 0.166, 0.865, 0.791, 8.2)
+# The fed window's start: past the first workflows' ramp (and the `auto` bound's climb from 4).
+FED_WARMUP_S = 30.0
 
 
 class VirtualClock:
@@ -148,6 +150,9 @@ def main() -> None:
     due: list[tuple[float, int, int]] = []             # (time, workflow, step) calls waiting on a tool
     started: dict[str, float] = {}
     ttft, speed, out_tokens = [], [], 0
+    emitted: dict[str, int] = {}                       # tokens each call had after the last step
+    produced: list[tuple[float, int]] = []             # (step end, tokens it produced), for the fed window
+    last_admission = None                              # when the last workflow was admitted
     t0 = clock()
 
     def submit(i: int, j: int, sent: float | None = None) -> None:
@@ -167,9 +172,12 @@ def main() -> None:
 
     def admit() -> None:
         nonlocal slots
+        nonlocal last_admission
         while slots and pending and (not gated or eng.stats().accepting):
             submit(pending.pop(), 0)
             slots -= 1
+            if not pending:
+                last_admission = clock()
 
     first: dict[str, float] = {}
     in_flight: list[tuple[int, int]] = []   # after each step: workflows in flight, their bound
@@ -191,8 +199,12 @@ def main() -> None:
         outs = eng.step()
         lim = eng.scheduler.workflow_limit
         in_flight.append((eng.scheduler.workflows.num_active, lim.value or 0))
+        step_tokens = 0
         for out in outs:
             rid = out.request_id
+            n_now = len(out.outputs[0].token_ids)
+            step_tokens += n_now - emitted.get(rid, 0)
+            emitted[rid] = n_now
             if rid not in first and out.outputs[0].token_ids:
                 first[rid] = clock()
                 ttft.append(first[rid] - started[rid])
@@ -202,6 +214,7 @@ def main() -> None:
                         "prompt_tokens": len(out.prompt_token_ids), "cached_tokens": out.num_cached_tokens}) + "\n")
             if not out.finished:
                 continue
+            del emitted[rid]
             n = len(out.outputs[0].token_ids)
             out_tokens += n
             end = clock()
@@ -215,6 +228,7 @@ def main() -> None:
                 heapq.heappush(due, (end + step.tool_latency_s, i, j + 1))
             else:
                 slots += 1
+        produced.append((clock(), step_tokens))
     wall = clock() - t0
     if calls_out is not None:
         calls_out.close()
@@ -227,6 +241,13 @@ def main() -> None:
     print(f"wall {wall:.1f} s, output tokens {out_tokens}, aggregate {out_tokens / wall:.1f} tok/s, "
           f"generation speed p50 {statistics.median(speed):.1f} tok/s, TTFT p50 {statistics.median(ttft):.2f} s "
           f"p90 {q[8]:.2f} s p99 {q99:.2f} s")
+    if last_admission is not None and last_admission - t0 > 2 * FED_WARMUP_S:
+        # The sustained regime: past the start's ramp, before the drain (no workflow left to admit).
+        lo, hi = t0 + FED_WARMUP_S, last_admission
+        tokens = sum(n for t, n in produced if lo < t <= hi)
+        fed = [f - s for r, f in first.items() if lo <= (s := started[r]) <= hi]
+        print(f"while fed ({FED_WARMUP_S:.0f} s to the last admission at {hi - t0:.1f} s): {tokens / (hi - lo):.1f} tok/s, "
+              f"TTFT p50 {statistics.median(fed):.3f} s p90 {statistics.quantiles(fed, n=10)[8]:.3f} s over {len(fed)} calls")
     st = eng.stats()
     print(f"prefix cache: {st.prefix_cache_hits / max(1, st.prefix_cache_queries):.1%} of prompt tokens hit, "
           f"{st.num_preemptions} preemptions")
