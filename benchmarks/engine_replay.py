@@ -11,6 +11,10 @@ measures what the server and the client cost; its step trace shows what the engi
         [--max-active-workflows N|auto|none] [--auto-overhead-band LOW,HIGH] [--calls-out PATH] [--phases]
         [--history synthetic|actual] [--seed N] [--close-step-tokens N|none] [--virtual-clock [--step-cost ...]]
 
+Besides the whole run it reports the *fed window*, from 30 s in to the last workflow's admission
+(enough workflows to run that long): throughput and TTFT of the sustained regime, without the
+start's ramp (and the `auto` bound's climb) or the drain.
+
 `--history actual` puts the engine's own reply in each next call's conversation, as `sluice bench
 --history actual` (the sustained pairs' setting) does; the default is the drawn reply text.
 
@@ -245,9 +249,10 @@ def main() -> None:
         # The sustained regime: past the start's ramp, before the drain (no workflow left to admit).
         lo, hi = t0 + FED_WARMUP_S, last_admission
         tokens = sum(n for t, n in produced if lo < t <= hi)
-        fed = [f - s for r, f in first.items() if lo <= (s := started[r]) <= hi]
-        print(f"while fed ({FED_WARMUP_S:.0f} s to the last admission at {hi - t0:.1f} s): {tokens / (hi - lo):.1f} tok/s, "
-              f"TTFT p50 {statistics.median(fed):.3f} s p90 {statistics.quantiles(fed, n=10)[8]:.3f} s over {len(fed)} calls")
+        fed = [f - started[r] for r, f in first.items() if lo <= started[r] <= hi]
+        if len(fed) >= 2:
+            print(f"while fed ({FED_WARMUP_S:.0f} s to the last admission at {hi - t0:.1f} s): {tokens / (hi - lo):.1f} tok/s, "
+                  f"TTFT p50 {statistics.median(fed):.3f} s p90 {statistics.quantiles(fed, n=10)[8]:.3f} s over {len(fed)} calls")
     st = eng.stats()
     print(f"prefix cache: {st.prefix_cache_hits / max(1, st.prefix_cache_queries):.1%} of prompt tokens hit, "
           f"{st.num_preemptions} preemptions")
