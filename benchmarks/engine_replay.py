@@ -153,9 +153,9 @@ def main() -> None:
     pending = list(range(args.workflows))[::-1]        # workflows not started, popped in order
     due: list[tuple[float, int, int]] = []             # (time, workflow, step) calls waiting on a tool
     started: dict[str, float] = {}
-    ttft, speed, out_tokens = [], [], 0
+    ttft, speed = [], []
     emitted: dict[str, int] = {}                       # tokens each call had after the last step
-    produced: list[tuple[float, int]] = []             # (step end, tokens it produced), for the fed window
+    produced: list[tuple[float, int]] = []             # (step end, output tokens it produced)
     last_admission = None                              # when the last workflow was admitted
     t0 = clock()
 
@@ -175,8 +175,7 @@ def main() -> None:
     slots = args.concurrency   # free client slots: a workflow ended and the next is not started
 
     def admit() -> None:
-        nonlocal slots
-        nonlocal last_admission
+        nonlocal slots, last_admission
         while slots and pending and (not gated or eng.stats().accepting):
             submit(pending.pop(), 0)
             slots -= 1
@@ -220,7 +219,6 @@ def main() -> None:
                 continue
             del emitted[rid]
             n = len(out.outputs[0].token_ids)
-            out_tokens += n
             end = clock()
             if n > 1:
                 speed.append((n - 1) / max(1e-9, end - first[rid]))
@@ -234,6 +232,7 @@ def main() -> None:
                 slots += 1
         produced.append((clock(), step_tokens))
     wall = clock() - t0
+    out_tokens = sum(n for _, n in produced)
     if calls_out is not None:
         calls_out.close()
     q = statistics.quantiles(ttft, n=10)
