@@ -19,7 +19,7 @@ overhead O can give at most 1/(1-O) times its throughput by admitting more. So t
 the overhead is above `OVERHEAD_HIGH` and lowers it while it is below `OVERHEAD_LOW`: the
 fewest workflows that keep the fixed cost and idling between the two. The band is the trade
 between throughput and latency, a server flag (`--auto-overhead-band LOW,HIGH`, default
-0.10,0.15): a lower band keeps more workflows in flight, for throughput.
+0.08,0.12): a lower band keeps more workflows in flight, for throughput.
 
 The fixed part is not configured but measured: the intercept of a least-squares fit of each
 step's wall time on its shape over the last 512 steps. The bound follows a moving average of the
@@ -91,8 +91,8 @@ class StepCostModel:
 class WorkflowLimit:
     """The bound on workflows in flight: `fixed`, or found by the controller above (`auto`)."""
 
-    OVERHEAD_HIGH = 0.15
-    OVERHEAD_LOW = 0.10
+    OVERHEAD_HIGH = 0.12
+    OVERHEAD_LOW = 0.08
     PERIOD_S = 5.0
     SMOOTHING = 0.3      # weight of the newest period in the overhead the bound follows
     INITIAL = 4
