@@ -2,7 +2,9 @@
 that finds the fewest workflows keeping the engine busy, driven with hand-built steps."""
 from __future__ import annotations
 
+import logging
 import random
+import re
 
 import pytest
 
@@ -276,3 +278,29 @@ def test_an_idle_engine_welcomes_one_workflow_past_the_auto_bound_but_not_past_a
     create_request(s, "x-last", 60, max_tokens=4, ignore_eos=True, workflow_id="x", is_last_step=True)
     drain(s)
     assert s.workflows.num_active == 0 and s.admissible_workflows() == bound
+
+
+def test_each_move_of_the_auto_bound_is_logged_with_what_the_controller_saw(caplog):
+    """A bound that climbs or falls on a server must be explainable from its log: every change
+    names the old and new bound, the smoothed overhead and the band, and this period's parts
+    (steps, the fitted fixed cost, the idle share)."""
+    lim = WorkflowLimit(auto=True, initial=4)
+    t = 0.0
+    with caplog.at_level(logging.INFO, logger="sluice.engine"):
+        for _ in range(6):                          # small steps, mostly fixed cost: far above the band
+            end = t + WorkflowLimit.PERIOD_S
+            while t < end:
+                s = shape(1 + int(t * 7) % 3, ctx_k=1 + int(t * 3) % 2)
+                start, t = t, t + cost(s)
+                lim.observe_step(start, t, s, lim.value)
+    moves = [r.getMessage() for r in caplog.records if r.getMessage().startswith("workflow bound")]
+    assert lim.value > 4 and len(moves) == lim.adjustments, moves
+    first = moves[0]
+    assert first.startswith("workflow bound 4 -> 5: overhead 0.")
+    assert f"(band {WorkflowLimit.OVERHEAD_LOW:.2f}-{WorkflowLimit.OVERHEAD_HIGH:.2f})" in first
+    m = re.search(r"this period (0\.\d+) = (\d+) steps x ([\d.]+) ms fixed \+ ([\d.]+)% idle", first)
+    assert m, first
+    period, steps, fixed_ms, idle = float(m[1]), int(m[2]), float(m[3]), float(m[4])
+    assert fixed_ms == pytest.approx(FIXED * 1e3, rel=0.01)     # the fit of these exact steps
+    assert idle == 0.0 and period > WorkflowLimit.OVERHEAD_HIGH
+    assert period == pytest.approx(steps * FIXED / WorkflowLimit.PERIOD_S, rel=0.05)

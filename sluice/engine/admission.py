@@ -30,11 +30,14 @@ must not keep falling meanwhile).
 """
 from __future__ import annotations
 
+import logging
 from collections import deque
 from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
+
+logger = logging.getLogger("sluice.engine")
 
 
 @dataclass(frozen=True)
@@ -150,11 +153,21 @@ class WorkflowLimit:
         fixed = self.cost.fixed_cost()
         if fixed is not None and wall > 0:
             idle = max(0.0, wall - self._busy)
-            overhead = min(1.0, (self._steps * fixed + idle) / wall)
+            period = min(1.0, (self._steps * fixed + idle) / wall)
+            overhead = period
             if self.last_overhead is not None:
                 overhead = self.SMOOTHING * overhead + (1 - self.SMOOTHING) * self.last_overhead
             self.last_overhead = overhead
+            value = self.value
             self._adjust(overhead, peak_active=self._peak_active, active=active)
+            if self.value != value:
+                # What the decision saw, so a bound that climbs or falls can be read back from
+                # the server's log: the fit's fixed cost, this period's steps and idle share.
+                logger.info("workflow bound %d -> %d: overhead %.3f (band %.2f-%.2f); this period "
+                            "%.3f = %d steps x %.2f ms fixed + %.1f%% idle over %.2f s; "
+                            "%d in flight (peak %d)", value, self.value, overhead, self.overhead_low,
+                            self.overhead_high, period, self._steps, fixed * 1e3,
+                            100.0 * idle / wall, wall, active, self._peak_active)
         self._period_start, self._busy, self._steps, self._peak_active = now, 0.0, 0, active
 
     def _adjust(self, overhead: float, peak_active: int, active: int) -> None:
