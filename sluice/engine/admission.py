@@ -25,8 +25,9 @@ The fixed part is not configured but measured: the intercept of a least-squares 
 step's wall time on its shape over the last 512 steps. Known weakness (session 40,
 docs/benchmarks.md): the fit is linear and a step's real cost is concave in its rows (a GEMM runs
 faster per row with more rows), so the intercept reads higher as steps grow, 8 -> 14 ms on the
-Zen 4 host as the bound rose from 10 to 16: a positive feedback that lets the bound climb. The bound follows a moving average of the
-periods' overheads, moves by one (more when far above the band) at most once per `PERIOD_S`,
+Zen 4 host as the bound rose from 12 to 16: a positive feedback that lets the bound climb.
+The bound follows a moving average of the periods' overheads, moves by one (more when far above
+the band) at most once per `PERIOD_S`,
 and only while it binds: it rises only while as many workflows as it allows are in flight, and
 falls only while no more than it allows are (lowering it takes effect as workflows finish, so it
 must not keep falling meanwhile).
