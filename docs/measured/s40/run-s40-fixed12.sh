@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Session 40 (AMD Zen 4, AVX-512 BF16): a sustained pair against vLLM 0.32 bf16 at the new default
-# with the bound fixed at 12 (`--max-active-workflows 12`), where the default band settled in 3 of 5 pairs: sluice from the snapshot worktree /work/wt-s40.
-# what a controller that does not wander would give. /load is polled every 10 s while sluice runs.
+# Session 40 (AMD Zen 4, AVX-512 BF16): a sustained pair against vLLM 0.32 bf16 with the bound
+# fixed at 12 (`--max-active-workflows 12`), where the default band settled in 3 of 5 pairs: what a
+# controller that does not wander would give. sluice from the snapshot worktree /work/wt-s40 (9438bc8).
+# /load is polled every 10 s while sluice runs.
 set -u
 cd /work/main
 PY=/work/main/.venv/bin/python
