@@ -26,11 +26,11 @@ step's wall time on its shape over the last 512 steps. Known weakness (session 4
 docs/benchmarks.md): the fit is linear and a step's real cost is concave in its rows (a GEMM runs
 faster per row with more rows), so the intercept reads higher as steps grow, 8 -> 14 ms on the
 Zen 4 host as the bound rose from 12 to 16: a positive feedback that lets the bound climb.
+
 The bound follows a moving average of the periods' overheads, moves by one (more when far above
-the band) at most once per `PERIOD_S`,
-and only while it binds: it rises only while as many workflows as it allows are in flight, and
-falls only while no more than it allows are (lowering it takes effect as workflows finish, so it
-must not keep falling meanwhile).
+the band) at most once per `PERIOD_S`, and only while it binds: it rises only while as many
+workflows as it allows are in flight, and falls only while no more than it allows are (lowering
+it takes effect as workflows finish, so it must not keep falling meanwhile).
 """
 from __future__ import annotations
 
@@ -158,13 +158,11 @@ class WorkflowLimit:
         if fixed is not None and wall > 0:
             idle = max(0.0, wall - self._busy)
             period = min(1.0, (self._steps * fixed + idle) / wall)
-            overhead = period
-            if self.last_overhead is not None:
-                overhead = self.SMOOTHING * overhead + (1 - self.SMOOTHING) * self.last_overhead
+            overhead = period if self.last_overhead is None else \
+                self.SMOOTHING * period + (1 - self.SMOOTHING) * self.last_overhead
             self.last_overhead = overhead
             value = self.value
-            self._adjust(overhead, peak_active=self._peak_active, active=active)
-            if self.value != value:
+            if self._adjust(overhead, peak_active=self._peak_active, active=active):
                 # What the decision saw, so a bound that climbs or falls can be read back from
                 # the server's log: the fit's fixed cost, this period's steps and idle share.
                 logger.info("workflow bound %d -> %d: overhead %.3f (band %.2f-%.2f); this period "
@@ -174,12 +172,15 @@ class WorkflowLimit:
                             100.0 * idle / wall, wall, active, self._peak_active)
         self._period_start, self._busy, self._steps, self._peak_active = now, 0.0, 0, active
 
-    def _adjust(self, overhead: float, peak_active: int, active: int) -> None:
+    def _adjust(self, overhead: float, peak_active: int, active: int) -> bool:
+        """Moves the bound by the rules above; True when it moved."""
         value = self.value
         if overhead > self.overhead_high and peak_active >= value:
             step = 1 if overhead <= 2 * self.overhead_high else max(1, value // 4)
             self.value = min(self.maximum, value + step)
         elif overhead < self.overhead_low and active <= value:
             self.value = max(self.MINIMUM, value - 1)
-        if self.value != value:
-            self.adjustments += 1
+        if self.value == value:
+            return False
+        self.adjustments += 1
+        return True
