@@ -3,6 +3,7 @@ that finds the fewest workflows keeping the engine busy, driven with hand-built 
 from __future__ import annotations
 
 import logging
+import math
 import random
 import re
 
@@ -54,14 +55,59 @@ def test_the_fit_drops_regressors_that_never_vary_and_gives_up_when_none_does():
     assert neg.fixed_cost() is None
 
 
+KINK = 16          # rows past which the concave step below gets cheaper per row
+PER_ROW_C = 0.01   # s per row up to KINK
+
+
+def concave(rows: float) -> float:
+    """Row cost of a step whose rows past KINK cost 0.6 of those before (a GEMM runs faster per row
+    with more rows): a step's cost is concave in its rows, as on the real machine."""
+    return PER_ROW_C * (min(rows, KINK) + 0.6 * max(0.0, rows - KINK))
+
+
+def concave_cost(s: StepShape) -> float:
+    return FIXED + concave(s.rows) + PER_PROMPT * s.prompt_tokens + 0.0004 * s.prompt_attn
+
+
+def test_large_steps_do_not_inflate_the_fixed_cost_of_a_concave_step():
+    """A linear fit over large steps only extrapolates its intercept from far away; with a concave
+    cost it reads the fixed cost 2-3x too high (session 40). The fit kept from the small steps,
+    scaled to the window, stays near it, and follows the machine when every step gets slower."""
+    rng = random.Random(1)
+
+    def steps(m: StepCostModel, lo: int, hi: int, n: int, speed: float = 1.0) -> None:
+        for _ in range(n):
+            s = shape(rng.randint(lo, hi), rng.choice([0, 0, 0, 128, 256]), rng.uniform(0.5, 2.0))
+            m.observe(s, concave_cost(s) * speed * rng.uniform(0.95, 1.05))
+
+    large_only = StepCostModel()
+    steps(large_only, 60, 110, 512)
+    naive = large_only.fixed_cost()               # no small steps seen: the window's own fit
+    assert naive > 2.5 * FIXED and large_only.scale is None
+
+    m = StepCostModel()
+    steps(m, 1, 20, 512)                          # a server starts at a low bound: small steps
+    assert m.fixed_cost() == pytest.approx(FIXED, rel=0.1) and m.scale is None
+    steps(m, 60, 110, 512)                        # then the bound climbs
+    fixed = m.fixed_cost()
+    # Scaled down a little: the kept fit's slope overprices the rows past the kink.
+    assert m.scale is not None and m.scale < 1 and 0.6 * FIXED < fixed < 1.1 * FIXED, (fixed, m.scale)
+    steps(m, 60, 110, 512, speed=1.3)             # the host slows down by 30%
+    assert m.fixed_cost() == pytest.approx(1.3 * fixed, rel=0.05)
+    steps(m, 1, 20, 512, speed=1.3)               # small steps again: their own fit
+    assert m.fixed_cost() == pytest.approx(1.3 * FIXED, rel=0.1) and m.scale is None
+
+
 class Engine:
     """A closed loop: `active` workflows each alternate a call (its decode rows in every step while
     it runs) and a tool wait; the bound admits new workflows up to it, and lowering it takes effect
     only as workflows end. Each step's time is `cost`."""
 
-    def __init__(self, limit: WorkflowLimit, tool_share: float = 0.1, seed: int = 0) -> None:
+    def __init__(self, limit: WorkflowLimit, tool_share: float = 0.1, seed: int = 0,
+                 rows_per_call: int = 6, step_cost=cost) -> None:
         self.limit, self.rng, self.t, self.tool_share = limit, random.Random(seed), 0.0, tool_share
         self.active = limit.value
+        self.rows_per_call, self.step_cost = rows_per_call, step_cost
 
     def run(self, seconds: float) -> list[int]:
         seen = []
@@ -71,9 +117,9 @@ class Engine:
             if in_call == 0:
                 self.t += 0.2                       # everyone on a tool: the engine idles
                 continue
-            s = shape(rows=6 * in_call, prompt=256 if self.rng.random() < PROMPT_SHARE else 0,
+            s = shape(rows=self.rows_per_call * in_call, prompt=256 if self.rng.random() < PROMPT_SHARE else 0,
                       ctx_k=self.rng.uniform(0.5, 2.0))
-            start, self.t = self.t, self.t + cost(s)
+            start, self.t = self.t, self.t + self.step_cost(s)
             if self.rng.random() < 0.05:            # a workflow ends now and then
                 self.active -= 1
             if self.active < self.limit.value:      # the client admits up to the bound
@@ -121,6 +167,25 @@ def test_a_lower_band_settles_at_more_workflows_in_flight():
     assert min(settled[1]) > max(settled[0]), settled
     with pytest.raises(AssertionError):
         WorkflowLimit(auto=True, band=(0.2, 0.1))
+
+
+def test_the_auto_bound_does_not_climb_on_a_concave_step_cost():
+    """The feedback of session 40: more workflows, bigger steps, a higher fitted fixed cost, a
+    higher overhead, more workflows. With a fixed cost that does not grow with the steps, the bound
+    settles where the true fixed cost (FIXED) puts the overhead in the band."""
+    lim = WorkflowLimit(auto=True, maximum=64)
+    bounds = Engine(lim, rows_per_call=2, step_cost=concave_cost).run(900.0)
+    settled = bounds[len(bounds) // 2:]
+
+    def true_overhead(n: int) -> float:          # FIXED over the mean step of n workflows
+        p = 1 - 0.1
+        mean_rows = sum(math.comb(n, k) * p ** k * (1 - p) ** (n - k) * concave(2 * k) for k in range(n + 1))
+        prompt = PROMPT_SHARE * 256 * (PER_PROMPT + 0.0004 * 1.25)
+        return FIXED / (FIXED + prompt + mean_rows)
+
+    lo = min(n for n in range(1, 64) if true_overhead(n) <= WorkflowLimit.OVERHEAD_HIGH)
+    hi = max(n for n in range(1, 64) if true_overhead(n) >= WorkflowLimit.OVERHEAD_LOW)
+    assert lo - 2 <= min(settled) and max(settled) <= hi + 2, (lo, hi, min(settled), max(settled))
 
 
 def test_a_cheaper_step_per_row_needs_more_workflows():

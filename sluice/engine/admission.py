@@ -22,10 +22,19 @@ between throughput and latency, a server flag (`--auto-overhead-band LOW,HIGH`, 
 0.08,0.12): a lower band keeps more workflows in flight, for throughput.
 
 The fixed part is not configured but measured: the intercept of a least-squares fit of each
-step's wall time on its shape over the last 512 steps. Known weakness (session 40,
-docs/benchmarks.md): the fit is linear and a step's real cost is concave in its rows (a GEMM runs
-faster per row with more rows), so the intercept reads higher as steps grow, 8 -> 14 ms on the
-Zen 4 host as the bound rose from 12 to 16: a positive feedback that lets the bound climb.
+step's wall time on its shape over the last 512 steps. That intercept is an extrapolation to a
+step of no rows, only as good as the window's small steps: a step's real cost is not quite
+linear in its rows (a GEMM runs faster per row with more rows), so a window of large steps reads
+it too high. Session 40 found the feedback this makes: more workflows, bigger steps, a higher
+fixed cost, a higher overhead, more workflows (the bound wandered to 20-27). Session 41's step
+traces at fixed bounds 4-24 on the Zen 4 host (docs/measured/s41/) put numbers on it: each
+window's own fit gives 7-8 ms at bounds 4-8, 9-10 at 12 and 16 at 16-24. So the model keeps the
+fit of the window with the smallest steps seen (by the 75th percentile of its decode rows, within
+`REF_SLACK` of the smallest) and, for a window of larger steps, gives that fit's intercept times
+the median ratio of the window's step times to what the kept fit predicts for them. Replayed
+through those traces it reads 7.4-7.9 ms at every bound (the ratio 1.00-1.04: the kept fit
+prices the big steps well; only its intercept was out of their reach). The fixed cost follows
+the machine's speed, not the size of the steps.
 
 The bound follows a moving average of the periods' overheads, moves by one (more when far above
 the band) at most once per `PERIOD_S`, and only while it binds: it rises only while as many
@@ -57,13 +66,22 @@ class StepShape:
 
 
 class StepCostModel:
-    """Least squares of step time on `StepShape` over the last `window` steps."""
+    """Least squares of step time on `StepShape` over the last `window` steps, and the fixed cost
+    it implies (see the module docstring)."""
 
     MIN_STEPS = 32
+    ROWS_Q = 75          # percentile of a window's decode rows that says how small its steps are
+    REF_SLACK = 1.25     # a window this much larger than the smallest seen still counts as small
+    REF_MIN_STEPS = 128  # steps a fit needs to be kept as the reference
 
     def __init__(self, window: int = 512) -> None:
         self._x: deque[tuple[float, ...]] = deque(maxlen=window)
         self._y: deque[float] = deque(maxlen=window)
+        self._ref: Optional[np.ndarray] = None   # coefficients of the kept fit, over all features
+        self._ref_rows = float("inf")            # its window's decode rows at the ROWS_Q-th percentile
+        # How the last `fixed_cost` was found: None from the window's own fit, else the ratio
+        # the kept fit was scaled by.
+        self.scale: Optional[float] = None
 
     def observe(self, shape: StepShape, seconds: float) -> None:
         self._x.append(shape.features())
@@ -73,26 +91,56 @@ class StepCostModel:
         return len(self._y)
 
     def fixed_cost(self) -> Optional[float]:
-        """A step's fixed cost in seconds (the fit's intercept); None until enough steps were seen,
-        or when they do not determine it (all of one shape) or it comes out outside (0, the
-        median step)."""
+        """A step's fixed cost in seconds; None until enough steps were seen, or when they do not
+        determine it (all of one shape, and no fit kept) or it comes out outside (0, the median
+        step)."""
+        self.scale = None
         if len(self._y) < self.MIN_STEPS:
             return None
         x, y = np.asarray(self._x), np.asarray(self._y)
-        coef, _, rank, _ = np.linalg.lstsq(x, y, rcond=None)
-        if rank < x.shape[1]:
-            # Columns that never vary (no prefill in the window, say) leave the intercept free;
-            # fit without them.
-            keep = [0] + [j for j in range(1, x.shape[1]) if np.ptp(x[:, j]) > 0]
-            if len(keep) == 1:
-                return None
-            coef, _, rank, _ = np.linalg.lstsq(x[:, keep], y, rcond=None)
-            if rank < len(keep):
-                return None
-        fixed = float(coef[0])
-        if not 0.0 < fixed < float(np.median(y)):
+        median = float(np.median(y))
+        coef = self._fit(x, y)
+        decode_rows = x[x[:, 1] > 0, 1]
+        rows = float(np.percentile(decode_rows, self.ROWS_Q)) if len(decode_rows) else float("inf")
+        if coef is not None and 0.0 < coef[0] < median:
+            if rows <= self.REF_SLACK * self._ref_rows:
+                # Steps about as small as any seen: this window's intercept is as near as it gets.
+                # Kept as the reference when it is a fit over enough steps, decodes among them,
+                # that priced every feature. The size to match only ever falls, so that a bound
+                # climbing a workflow at a time cannot carry the reference up with it.
+                if len(y) >= self.REF_MIN_STEPS and len(decode_rows) >= self.MIN_STEPS \
+                        and np.all(np.ptp(x[:, 1:], axis=0) > 0):
+                    self._ref, self._ref_rows = coef, min(rows, self._ref_rows)
+                return float(coef[0])
+            if self._ref is None:
+                return float(coef[0])    # nothing better yet
+        if self._ref is None:
             return None
-        return fixed
+        predicted = x @ self._ref
+        if not np.all(predicted > 0):
+            return None
+        self.scale = float(np.median(y / predicted))
+        fixed = float(self._ref[0]) * self.scale
+        return fixed if 0.0 < fixed < median else None
+
+    @staticmethod
+    def _fit(x: np.ndarray, y: np.ndarray) -> Optional[np.ndarray]:
+        """The least-squares coefficients (0 for a feature left out), or None when the steps do
+        not determine the intercept."""
+        coef, _, rank, _ = np.linalg.lstsq(x, y, rcond=None)
+        if rank == x.shape[1]:
+            return coef
+        # Columns that never vary (no prefill in the window, say) leave the intercept free; fit
+        # without them.
+        keep = [0] + [j for j in range(1, x.shape[1]) if np.ptp(x[:, j]) > 0]
+        if len(keep) == 1:
+            return None
+        sub, _, rank, _ = np.linalg.lstsq(x[:, keep], y, rcond=None)
+        if rank < len(keep):
+            return None
+        coef = np.zeros(x.shape[1])
+        coef[keep] = sub
+        return coef
 
 
 class WorkflowLimit:
@@ -165,10 +213,12 @@ class WorkflowLimit:
             if self._adjust(overhead, peak_active=self._peak_active, active=active):
                 # What the decision saw, so a bound that climbs or falls can be read back from
                 # the server's log: the fit's fixed cost, this period's steps and idle share.
+                scale = self.cost.scale
                 logger.info("workflow bound %d -> %d: overhead %.3f (band %.2f-%.2f); this period "
-                            "%.3f = %d steps x %.2f ms fixed + %.1f%% idle over %.2f s; "
+                            "%.3f = %d steps x %.2f ms fixed%s + %.1f%% idle over %.2f s; "
                             "%d in flight (peak %d)", value, self.value, overhead, self.overhead_low,
                             self.overhead_high, period, self._steps, fixed * 1e3,
+                            "" if scale is None else f" (kept fit x {scale:.2f})",
                             100.0 * idle / wall, wall, active, self._peak_active)
         self._period_start, self._busy, self._steps, self._peak_active = now, 0.0, 0, active
 
