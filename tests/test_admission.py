@@ -98,6 +98,32 @@ def test_large_steps_do_not_inflate_the_fixed_cost_of_a_concave_step():
     assert m.fixed_cost() == pytest.approx(1.3 * FIXED, rel=0.1) and m.scale is None
 
 
+def test_a_kept_fit_from_tiny_steps_is_scaled_on_the_steps_it_can_price():
+    """A server whose first traffic is one user keeps a fit of 1-2 row steps, and their price per
+    row is not that of big steps (a GEMM of a few rows costs about what one row does: here a fifth
+    of the per-row price up to 8 rows). Scaled on every step of a later window of 60-110 rows, that
+    error would land in the fixed cost; scaled on the steps like its own (the prefill-only steps
+    every window has), the fixed cost stays put."""
+    rng = random.Random(2)
+    m = StepCostModel()
+
+    def step(rows: int, prompt: int) -> None:
+        s = shape(rows, prompt, rng.uniform(0.5, 2.0))
+        flat = PER_ROW * (0.2 * min(rows, 8) + max(0, rows - 8) - rows)   # cost() prices every row
+        m.observe(s, (cost(s) + flat) * rng.uniform(0.97, 1.03))
+
+    for _ in range(512):                          # one user: a decode row or two, prompts now and then
+        step(rng.randint(1, 2), rng.choice([0, 0, 0, 0, 64, 128, 256, 512]))
+    assert m.fixed_cost() == pytest.approx(FIXED, rel=0.15) and m.scale is None
+    for _ in range(512):                          # then many: big decode steps, a quarter prefill-only
+        if rng.random() < 0.25:
+            step(0, rng.choice([64, 128, 256, 512]))
+        else:
+            step(rng.randint(60, 110), 0)
+    fixed = m.fixed_cost()
+    assert m.scale is not None and fixed == pytest.approx(FIXED, rel=0.15), (fixed, m.scale)
+
+
 class Engine:
     """A closed loop: `active` workflows each alternate a call (its decode rows in every step while
     it runs) and a tool wait; the bound admits new workflows up to it, and lowering it takes effect

@@ -31,7 +31,8 @@ traces at fixed bounds 4-24 on the Zen 4 host (docs/measured/s41/) put numbers o
 window's own fit gives 7-8 ms at bounds 4-8, 9-10 at 12 and 16 at 16-24. So the model keeps the
 fit of the window with the smallest steps seen (by the 75th percentile of its decode rows, within
 `REF_SLACK` of the smallest) and, for a window of larger steps, gives that fit's intercept times
-the median ratio of the window's step times to what the kept fit predicts for them. Replayed
+the median ratio of the window's step times to what the kept fit predicts for them (over the
+steps no larger than most of the kept window's, prefill-only steps among them). Replayed
 through those traces it reads 7.4-7.9 ms at every bound (the ratio 1.00-1.04: the kept fit
 prices the big steps well; only its intercept was out of their reach). The fixed cost follows
 the machine's speed, not the size of the steps.
@@ -79,6 +80,7 @@ class StepCostModel:
         self._y: deque[float] = deque(maxlen=window)
         self._ref: Optional[np.ndarray] = None   # coefficients of the kept fit, over all features
         self._ref_rows = float("inf")            # its window's decode rows at the ROWS_Q-th percentile
+        self._ref_reach = 0.0                    # and at the 90th: the steps it predicts from data
         # How the last `fixed_cost` was found: None from the window's own fit, else the ratio
         # the kept fit was scaled by.
         self.scale: Optional[float] = None
@@ -111,6 +113,7 @@ class StepCostModel:
                 if len(y) >= self.REF_MIN_STEPS and len(decode_rows) >= self.MIN_STEPS \
                         and np.all(np.ptp(x[:, 1:], axis=0) > 0):
                     self._ref, self._ref_rows = coef, min(rows, self._ref_rows)
+                    self._ref_reach = float(np.percentile(decode_rows, 90))
                 return float(coef[0])
             if self._ref is None:
                 return float(coef[0])    # nothing better yet
@@ -119,7 +122,12 @@ class StepCostModel:
         predicted = x @ self._ref
         if not np.all(predicted > 0):
             return None
-        self.scale = float(np.median(y / predicted))
+        # Scaled on the steps the kept fit saw the like of (prefill-only steps are among them at
+        # any bound), so that a slope it priced from small steps alone does not leak into the
+        # scale; on all steps when too few are.
+        near = x[:, 1] <= self._ref_reach
+        ratio = y / predicted
+        self.scale = float(np.median(ratio[near] if near.sum() >= self.MIN_STEPS // 2 else ratio))
         fixed = float(self._ref[0]) * self.scale
         return fixed if 0.0 < fixed < median else None
 
