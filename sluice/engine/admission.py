@@ -73,7 +73,10 @@ class StepCostModel:
     MIN_STEPS = 32
     ROWS_Q = 75          # percentile of a window's decode rows that says how small its steps are
     REF_SLACK = 1.25     # a window this much larger than the smallest seen still counts as small
-    REF_MIN_STEPS = 128  # steps a fit needs to be kept as the reference
+    # Steps a fit needs to be kept as the reference: a whole window. Session 41's second pair
+    # kept a fit of 269 steps from the first 10 s at 5.3 ms, where whole windows of small steps
+    # read 7.2-8.6 ms, and the bound sat at 8 instead of 11-12.
+    REF_MIN_STEPS = 512
 
     def __init__(self, window: int = 512) -> None:
         self._x: deque[tuple[float, ...]] = deque(maxlen=window)
@@ -159,6 +162,7 @@ class WorkflowLimit:
     PERIOD_S = 5.0
     SMOOTHING = 0.3      # weight of the newest period in the overhead the bound follows
     INITIAL = 4
+    WARMUP_STEPS = StepCostModel.REF_MIN_STEPS
     MINIMUM = 2
 
     def __init__(self, fixed: Optional[int] = None, auto: bool = False, maximum: int = 64,
@@ -210,7 +214,9 @@ class WorkflowLimit:
 
     def _close_period(self, now: float, active: int) -> None:
         wall = now - self._period_start
-        fixed = self.cost.fixed_cost()
+        # The bound holds at its start until the model has seen WARMUP_STEPS steps, the small
+        # ones the fixed cost is kept from (~20-40 s of traffic at the initial bound).
+        fixed = self.cost.fixed_cost() if len(self.cost) >= self.WARMUP_STEPS else None
         if fixed is not None and wall > 0:
             idle = max(0.0, wall - self._busy)
             period = min(1.0, (self._steps * fixed + idle) / wall)
