@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Session 41 (AMD Zen 4, AVX-512 BF16): sustained pairs against vLLM 0.32 bf16 at the default
 # (`auto`, band 0.08,0.12; no flags) with the fixed cost from the kept small-step fit (r1: ee177b5, scaled on all steps;
-# r2 on: 9b55929, scaled on the steps within the kept fit's reach).
+# r2: 9b55929, scaled on the steps within the kept fit's reach; r3 on: d99d2be, a fit kept only from a
+# whole window, the bound held at its start until then).
 # sluice from the snapshot worktree /work/wt-s41. /load is polled every 10 s while sluice runs;
 # sluice's server log (the "workflow bound" lines) is kept. Usage: run-s41-default.sh TAG
 set -u
