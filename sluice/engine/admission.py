@@ -79,7 +79,7 @@ class StepCostModel:
     REF_SLACK = 1.25     # a window this much larger than the smallest seen still counts as small
     # Steps a fit needs to be kept as the reference: a whole window. Session 41's second pair
     # kept a fit of 269 steps from the first 10 s at 5.3 ms, where whole windows of small steps
-    # read 7.2-8.6 ms, and the bound sat at 8 instead of 11-12.
+    # read 6.4-8.6 ms in the s41 traces, and the bound sat at 8 instead of 10-11.
     REF_MIN_STEPS = 512
 
     def __init__(self, window: int = 512) -> None:
