@@ -227,6 +227,11 @@ def test_the_bound_holds_until_a_whole_window_of_steps_was_seen():
         if lim.value != WorkflowLimit.INITIAL:
             moved_at = steps
     assert moved_at is not None and moved_at >= WorkflowLimit.WARMUP_STEPS == StepCostModel.REF_MIN_STEPS
+    # A model with a shorter window keeps a whole one of its own: the bound does not hold forever.
+    short = WorkflowLimit(auto=True)
+    short.cost = StepCostModel(window=128)
+    Engine(short).run(120.0)
+    assert short.value > WorkflowLimit.INITIAL and short.cost.scale is not None
 
 
 

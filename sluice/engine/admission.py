@@ -83,6 +83,7 @@ class StepCostModel:
     REF_MIN_STEPS = 512
 
     def __init__(self, window: int = 512) -> None:
+        self.window = window
         self._x: deque[tuple[float, ...]] = deque(maxlen=window)
         self._y: deque[float] = deque(maxlen=window)
         self._ref: Optional[np.ndarray] = None   # coefficients of the kept fit, over all features
@@ -117,7 +118,7 @@ class StepCostModel:
                 # Kept as the reference when it is a fit over enough steps, decodes among them,
                 # that priced every feature. The size to match only ever falls, so that a bound
                 # climbing a workflow at a time cannot carry the reference up with it.
-                if len(y) >= self.REF_MIN_STEPS and len(decode_rows) >= self.MIN_STEPS \
+                if len(y) >= min(self.REF_MIN_STEPS, self.window) and len(decode_rows) >= self.MIN_STEPS \
                         and np.all(np.ptp(x[:, 1:], axis=0) > 0):
                     self._ref, self._ref_rows = coef, min(rows, self._ref_rows)
                     self._ref_reach = float(np.percentile(decode_rows, 90))
@@ -220,7 +221,7 @@ class WorkflowLimit:
         wall = now - self._period_start
         # The bound holds at its start until the model has seen WARMUP_STEPS steps, the small
         # ones the fixed cost is kept from (~20-40 s of traffic at the initial bound).
-        fixed = self.cost.fixed_cost() if len(self.cost) >= self.WARMUP_STEPS else None
+        fixed = self.cost.fixed_cost() if len(self.cost) >= min(self.WARMUP_STEPS, self.cost.window) else None
         if fixed is not None and wall > 0:
             idle = max(0.0, wall - self._busy)
             period = min(1.0, (self._steps * fixed + idle) / wall)
