@@ -220,12 +220,10 @@ def test_the_bound_holds_until_a_whole_window_of_steps_was_seen():
     lim = WorkflowLimit(auto=True)
     e = Engine(lim)
     moved_at = None
-    steps = 0
     while moved_at is None and e.t < 600:
         e.run(1.0)
-        steps = len(lim.cost)
         if lim.value != WorkflowLimit.INITIAL:
-            moved_at = steps
+            moved_at = len(lim.cost)
     assert moved_at is not None and moved_at >= WorkflowLimit.WARMUP_STEPS == StepCostModel.REF_MIN_STEPS
     # A model with a shorter window keeps a whole one of its own: the bound does not hold forever.
     short = WorkflowLimit(auto=True)

@@ -112,21 +112,19 @@ class StepCostModel:
         coef = self._fit(x, y)
         decode_rows = x[x[:, 1] > 0, 1]
         rows = float(np.percentile(decode_rows, self.ROWS_Q)) if len(decode_rows) else float("inf")
-        if coef is not None and 0.0 < coef[0] < median:
-            if rows <= self.REF_SLACK * self._ref_rows:
-                # Steps about as small as any seen: this window's intercept is as near as it gets.
-                # Kept as the reference when it is a fit over enough steps, decodes among them,
-                # that priced every feature. The size to match only ever falls, so that a bound
-                # climbing a workflow at a time cannot carry the reference up with it.
-                if len(y) >= min(self.REF_MIN_STEPS, self.window) and len(decode_rows) >= self.MIN_STEPS \
-                        and np.all(np.ptp(x[:, 1:], axis=0) > 0):
-                    self._ref, self._ref_rows = coef, min(rows, self._ref_rows)
-                    self._ref_reach = float(np.percentile(decode_rows, 90))
-                return float(coef[0])
-            if self._ref is None:
-                return float(coef[0])    # nothing better yet
+        own = float(coef[0]) if coef is not None and 0.0 < coef[0] < median else None
+        if own is not None and rows <= self.REF_SLACK * self._ref_rows:
+            # Steps about as small as any seen: this window's intercept is as near as it gets.
+            # Kept as the reference when it is a fit over enough steps, decodes among them, that
+            # priced every feature. The size to match only ever falls, so that a bound climbing a
+            # workflow at a time cannot carry the reference up with it.
+            if len(y) >= min(self.REF_MIN_STEPS, self.window) and len(decode_rows) >= self.MIN_STEPS \
+                    and np.all(np.ptp(x[:, 1:], axis=0) > 0):
+                self._ref, self._ref_rows = coef, min(rows, self._ref_rows)
+                self._ref_reach = float(np.percentile(decode_rows, 90))
+            return own
         if self._ref is None:
-            return None
+            return own                   # nothing kept yet: the window's own fit, if it has one
         predicted = x @ self._ref
         if not np.all(predicted > 0):
             return None
