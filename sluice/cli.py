@@ -45,7 +45,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--auto-overhead-band", type=parse_overhead_band, default=None, metavar="LOW,HIGH",
                    help="with --max-active-workflows auto: the share of the wall clock spent on fixed "
                         "step costs and idling that the bound steers between; a lower band keeps more "
-                        "workflows in flight (throughput), a higher one fewer (latency) (default 0.08,0.12)")
+                        "workflows in flight (throughput), a higher one fewer (latency) (default 0.06,0.09)")
     p.add_argument("--decode-yield-steps", type=int, default=1, metavar="N",
                    help="while prompt tokens wait, running decodes sit out up to N consecutive steps so "
                         "the prompts get them alone (lower time to first token); 0: every step carries "

@@ -19,7 +19,10 @@ overhead O can give at most 1/(1-O) times its throughput by admitting more. So t
 the overhead is above `OVERHEAD_HIGH` and lowers it while it is below `OVERHEAD_LOW`: the
 fewest workflows that keep the fixed cost and idling between the two. The band is the trade
 between throughput and latency, a server flag (`--auto-overhead-band LOW,HIGH`, default
-0.08,0.12): a lower band keeps more workflows in flight, for throughput.
+0.06,0.09): a lower band keeps more workflows in flight, for throughput. On the Zen 4 host the
+sustained pairs against vLLM (docs/benchmarks.md, sessions 39-42) met both 2x targets on average
+with 12-13 workflows in flight (throughput 2.01x, TTFT p50 2.16x lower, means of five pairs), missed
+throughput at 8-11 (1.96x) and TTFT p50 at 14-20 (1.93x); this band holds ~12-13 there.
 
 The fixed part is not configured but measured: the intercept of a least-squares fit of each
 step's wall time on its shape over the last 512 steps. That intercept is an extrapolation to a
@@ -39,7 +42,9 @@ follows the machine's speed, not the size of the steps. A fit is kept only from 
 and the bound holds at its start until one was seen: a fit of the first few seconds is noisy
 (one pair kept 5.3 ms from 269 steps and sat at 8 workflows). Known weakness: whole windows of
 small steps still read 6.4-8.6 ms, and the bound follows the kept value (7.2 ms: 10.6 workflows
-in flight at the default band, 9.7 ms: 11.4).
+in flight at the band 0.08,0.12, 9.7 ms: 11.4; sessions 41-42 kept 6.3-8.2 ms). About one
+workflow per millisecond, and near 12 in flight a workflow is worth 0.5-1% of the throughput
+(session 42), less than a pair's run-to-run spread: not worth holding the bound longer for.
 
 The bound follows a moving average of the periods' overheads, moves by one (more when far above
 the band) at most once per `PERIOD_S`, and only while it binds: it rises only while as many
@@ -160,8 +165,8 @@ class StepCostModel:
 class WorkflowLimit:
     """The bound on workflows in flight: `fixed`, or found by the controller above (`auto`)."""
 
-    OVERHEAD_HIGH = 0.12
-    OVERHEAD_LOW = 0.08
+    OVERHEAD_HIGH = 0.09
+    OVERHEAD_LOW = 0.06
     PERIOD_S = 5.0
     SMOOTHING = 0.3      # weight of the newest period in the overhead the bound follows
     INITIAL = 4
