@@ -22,7 +22,8 @@ between throughput and latency, a server flag (`--auto-overhead-band LOW,HIGH`, 
 0.06,0.09): a lower band keeps more workflows in flight, for throughput. On the Zen 4 host the
 sustained pairs against vLLM (docs/benchmarks.md, sessions 39-42) met both 2x targets on average
 with 12-13 workflows in flight (throughput 2.01x, TTFT p50 2.16x lower, means of five pairs), missed
-throughput at 8-11 (1.96x) and TTFT p50 at 14-20 (1.93x); this band holds ~12-13 there.
+throughput at 8-11 (1.96x) and TTFT p50 at 14-20 (1.93x); this band held 11.4-13.8 there
+(the kept fixed cost 6.3-8.0 ms).
 
 The fixed part is not configured but measured: the intercept of a least-squares fit of each
 step's wall time on its shape over the last 512 steps. That intercept is an extrapolation to a
