@@ -22,8 +22,8 @@ between throughput and latency, a server flag (`--auto-overhead-band LOW,HIGH`, 
 0.06,0.09): a lower band keeps more workflows in flight, for throughput. On the Zen 4 host the
 sustained pairs against vLLM (docs/benchmarks.md, sessions 39-42) met both 2x targets on average
 with 12-13 workflows in flight (throughput 2.01x, TTFT p50 2.16x lower, means of five pairs), missed
-throughput at 8-11 (1.96x) and TTFT p50 at 14-20 (1.93x); this band held 11.4-13.8 there
-(the kept fixed cost 6.3-8.0 ms).
+throughput at 8-11 (1.96x) and TTFT p50 at 14-20 (1.93x); this band held 11.4-15.0 there
+(the kept fixed cost 6.3-8.6 ms).
 
 The fixed part is not configured but measured: the intercept of a least-squares fit of each
 step's wall time on its shape over the last 512 steps. That intercept is an extrapolation to a
@@ -43,9 +43,10 @@ follows the machine's speed, not the size of the steps. A fit is kept only from 
 and the bound holds at its start until one was seen: a fit of the first few seconds is noisy
 (one pair kept 5.3 ms from 269 steps and sat at 8 workflows). Known weakness: whole windows of
 small steps still read 6.4-8.6 ms, and the bound follows the kept value (7.2 ms: 10.6 workflows
-in flight at the band 0.08,0.12, 9.7 ms: 11.4; sessions 41-42 kept 6.3-8.2 ms). About one
-workflow per millisecond, and near 12 in flight a workflow is worth 0.5-1% of the throughput
-(session 42), less than a pair's run-to-run spread: not worth holding the bound longer for.
+in flight at the band 0.08,0.12, 9.7 ms: 11.4; sessions 41-42 kept 6.3-8.6 ms). About one
+workflow per millisecond; near 12 in flight a workflow is worth 0.5-1% of the throughput and
+~3% of TTFT p50 (session 42: 12.4 in flight on 6.8 ms kept, 15.0 on 8.6 ms, TTFT p50 2.09x and
+1.95x lower than vLLM's), so the spread costs latency more than throughput.
 
 The bound follows a moving average of the periods' overheads, moves by one (more when far above
 the band) at most once per `PERIOD_S`, and only while it binds: it rises only while as many
