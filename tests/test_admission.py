@@ -232,7 +232,6 @@ def test_the_bound_holds_until_a_whole_window_of_steps_was_seen():
     assert short.value > WorkflowLimit.INITIAL and short.cost.scale is not None
 
 
-
 def test_a_cheaper_step_per_row_needs_more_workflows():
     """The same controller on an engine whose fixed cost weighs more against its rows (a faster
     machine per token) keeps more workflows in flight."""
