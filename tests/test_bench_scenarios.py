@@ -112,9 +112,11 @@ class ScriptedLoad:
     def __init__(self, answers: list[Optional[dict[str, Any]]]):
         self.answers = list(answers)
         self.calls = 0
+        self.asked: list[tuple[float, frozenset[int]]] = []   # (wait, pending) of each probe
 
-    async def __call__(self) -> Optional[dict[str, Any]]:
+    async def __call__(self, wait: float, pending: frozenset[int]) -> Optional[dict[str, Any]]:
         self.calls += 1
+        self.asked.append((wait, pending))
         return self.answers.pop(0) if len(self.answers) > 1 else self.answers[0]
 
 
@@ -135,7 +137,7 @@ def test_waiting_slots_share_one_load_poller():
     class Refusing:
         calls = 0
 
-        async def __call__(self) -> dict[str, Any]:
+        async def __call__(self, wait: float, pending: frozenset[int]) -> dict[str, Any]:
             self.calls += 1
             await asyncio.sleep(0.001)    # an HTTP round trip
             return {"accepting": time.perf_counter() - t0 > 0.2}
@@ -201,6 +203,52 @@ def test_load_gate_takes_no_room_from_a_server_not_accepting():
     probe = ScriptedLoad([{"accepting": False, "admissible_workflows": 0}, {"accepting": True, "admissible_workflows": 2}])
     gate = LoadGate(Window(60.0, lambda: 0.0), probe, poll_s=0.001)
     assert asyncio.run(gate.admit()) == 0 and gate.waits == 1 and gate.pending == {0}
+
+
+def test_load_gate_long_polls_once_the_server_answers_and_sends_what_is_pending():
+    """The first probe asks without waiting (it tells whether there is a `/load`); later ones
+    let the server hold the answer (`wait_s`) and name the workflows admitted but not arrived;
+    while it has no room."""
+    no, yes = {"accepting": False, "admissible_workflows": 0}, {"accepting": True, "admissible_workflows": 5}
+
+    class Held(ScriptedLoad):
+        async def __call__(self, wait: float, pending: frozenset[int]) -> Optional[dict[str, Any]]:
+            await asyncio.sleep(wait)         # a long poll that runs out
+            return await super().__call__(wait, pending)
+
+    probe = Held([yes, no, no, yes])
+    gate = LoadGate(Window(60.0, lambda: 0.0), probe, poll_s=0.01, wait_s=0.02)
+    assert asyncio.run(gate.admit()) == 0 and probe.asked == [(0.0, frozenset())]
+    assert asyncio.run(gate.admit()) == 1
+    assert probe.asked[1:] == [(0.02, frozenset({0}))] * 3 and gate.waits >= 2
+    assert gate.pending == {0, 1}
+
+
+def test_load_gate_takes_off_only_the_pending_workflows_the_server_does_not_count():
+    """Room for one, two workflows pending: with `pending_counted` 2 (both calls arrived before
+    their first token came back) the gate admits; a server that says nothing about them leaves
+    no room."""
+    for counted, admitted in ((2, 2), (None, None)):
+        doc = {"accepting": True, "admissible_workflows": 1}
+        if counted is not None:
+            doc["pending_counted"] = counted
+        probe = ScriptedLoad([{"accepting": True, "admissible_workflows": 1}, doc])
+        t0 = time.perf_counter()
+        gate = LoadGate(Window(0.1, lambda: time.perf_counter() - t0), probe, poll_s=0.01, wait_s=0.0)
+        gate.pending = {0, 1}
+        gate.window._next = 2
+        assert asyncio.run(gate.admit()) is None if admitted is None else asyncio.run(gate.admit()) == admitted
+        assert probe.asked[-1][1] == frozenset({0, 1})
+
+
+def test_load_gate_treats_a_failed_probe_after_the_first_as_no_room():
+    yes = {"accepting": True, "admissible_workflows": 1}
+    probe = ScriptedLoad([yes, None, None, yes])
+    gate = LoadGate(Window(60.0, lambda: 0.0), probe, poll_s=0.001, wait_s=0.0)
+    gate.arrived(0)
+    assert asyncio.run(gate.admit()) == 0
+    gate.arrived(0)
+    assert asyncio.run(gate.admit()) == 1 and gate.available is True and gate.waits == 2
 
 
 def test_load_gate_falls_back_without_load_endpoint():

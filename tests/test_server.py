@@ -317,7 +317,8 @@ def test_load_and_metrics(server: RemoteServer, client: openai.OpenAI, model: st
     wait_until_idle(server)
     load = httpx.get(server.url + "/load").json()
     assert set(load) == {"running", "waiting", "waiting_tokens", "kv_usage", "accepting", "admissible_workflows",
-                         "active_workflows", "max_active_workflows"}
+                         "active_workflows", "max_active_workflows", "pending_counted"}
+    assert load["pending_counted"] is None        # no `pending` ids asked about
     assert load["accepting"] is True and 0.0 <= load["kv_usage"] <= 1.0
     assert load["admissible_workflows"] >= 1
     samples = scrape_metrics(server)

@@ -325,3 +325,57 @@ def test_queue_full_is_429_with_retry_after(auth_server: RemoteServer) -> None:
             await load_until("waiting", 0, http)
 
     asyncio.run(scenario())
+
+
+def test_load_long_polls_until_there_is_room_and_counts_pending_workflows(auth_server: RemoteServer) -> None:
+    """`GET /load?wait=S` answers at once while there is room, holds its answer while there is
+    none (one call running and one waiting fill this server) and answers as soon as room comes
+    back, or after S; `pending=` ids are counted in `pending_counted` once the server has their
+    calls; bad values are 400s."""
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    long = completion(max_tokens=400, ignore_eos=True)
+    url = auth_server.url + "/load"
+
+    async def get(http: httpx.AsyncClient, query: str) -> tuple[dict[str, Any], float]:
+        t0 = time.monotonic()
+        doc = (await http.get(url + query)).json()
+        return doc, time.monotonic() - t0
+
+    async def until(http: httpx.AsyncClient, key: str, value: int) -> None:
+        deadline = time.monotonic() + 30
+        while (await http.get(url)).json()[key] != value:
+            assert time.monotonic() < deadline, f"{key} never reached {value}"
+            await asyncio.sleep(0.05)
+
+    async def scenario() -> None:
+        async with httpx.AsyncClient(base_url=auth_server.base_url, headers=headers, timeout=120) as http:
+            await until(http, "running", 0)
+            doc, took = await get(http, "?wait=20")
+            assert doc["admissible_workflows"] >= 1 and doc["pending_counted"] is None and took < 5
+            doc, _ = await get(http, "?pending=wf-a,wf-b")
+            assert doc["pending_counted"] == 0
+            running = asyncio.create_task(http.post("/completions", json=long, headers={"X-Workflow-Id": "wf-a"}))
+            await until(http, "running", 1)
+            doc, _ = await get(http, "?pending=wf-a,wf-b")
+            assert doc["pending_counted"] == 1 and doc["active_workflows"] == 1
+            waiting = asyncio.create_task(http.post("/completions", json=long))
+            await until(http, "waiting", 1)
+            doc, took = await get(http, "?wait=0.4")
+            assert doc["admissible_workflows"] == 0 and 0.35 <= took < 5
+            held = asyncio.create_task(get(http, "?wait=25"))
+            await asyncio.sleep(0.5)
+            assert not held.done()
+            waiting.cancel()                  # the queue frees: room again
+            doc, took = await held
+            assert doc["admissible_workflows"] >= 1 and doc["accepting"] is True and took < 20
+            # More workflows in transit than the room: held (wf-a is counted, the ten are not).
+            unseen = ",".join(f"wf-p{i}" for i in range(10))
+            doc, took = await get(http, f"?wait=0.4&pending=wf-a,{unseen}")
+            assert doc["pending_counted"] == 1 and doc["admissible_workflows"] < 10 and took >= 0.35
+            running.cancel()
+            await asyncio.gather(running, waiting, return_exceptions=True)
+            await until(http, "running", 0)
+        for bad in ("?wait=-1", "?wait=31", "?wait=soon", "?pending=" + "x" * 20000):
+            assert_openai_error(httpx.get(url + bad), 400)
+
+    asyncio.run(scenario())

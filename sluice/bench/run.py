@@ -156,7 +156,7 @@ async def run_once(
             window = Window(spec.window_s, runner.now, spec.max_workflows)
             admission = window
             if spec.admission == "load":
-                gate = LoadGate(window, load_probe(http, endpoint))
+                gate = LoadGate(window, load_probe(http, endpoint, target))
                 admission = gate
                 runner.on_arrival = gate.arrived
             target_text = ""

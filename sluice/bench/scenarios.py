@@ -20,6 +20,7 @@ import asyncio
 import time
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Optional, Protocol
+from urllib.parse import urlencode
 
 import httpx
 
@@ -87,7 +88,11 @@ class Window:
         return i
 
 
-LoadProbe = Callable[[], Awaitable[Optional[dict[str, Any]]]]
+# probe(wait, pending): the `/load` document, held by the server up to `wait` seconds until it has
+# room for a workflow beyond the `pending` ones (indices the gate admitted whose first call has
+# not come back; a server without the long poll answers at once); None when there is none (the
+# first answer) or it failed.
+LoadProbe = Callable[[float, frozenset[int]], Awaitable[Optional[dict[str, Any]]]]
 
 
 class LoadGate:
@@ -103,15 +108,26 @@ class LoadGate:
     in within 0.1 s over HTTP, where the in-process replay (which sees its admissions at once)
     never did.
 
-    The slots share one poller, as a router in front of the server would: while there is no
-    room, `/load` is asked about twice per `poll_s` however many slots wait (32 slots each
-    polling at 10 Hz put ~320 HTTP requests a second on the server being measured, on the same
-    two cores), and each admission is decided on a fresh answer."""
+    A server that knows better says so: sent the pending workflows' ids (`GET
+    /load?pending=...`), sluice's answers `pending_counted`, how many of them its
+    `admissible_workflows` counts already (their calls arrived before their first token came
+    back), and only the others are taken off.
 
-    def __init__(self, window: Window, probe: LoadProbe, poll_s: float = 0.1):
+    The slots share one poller, as a router in front of the server would, and each admission is
+    decided on a fresh answer. While there is no room the poller long-polls (`wait=wait_s`):
+    sluice's server holds the answer until there is room, so the gate asks about once per
+    admission. Polling twice per 0.1 s instead took ~2% of a core in this client and ~1% in the
+    server, on the two cores the engine computes on (docs/benchmarks.md, session 43: a foreign
+    thread's CPU costs the engine's steps more than its own share). A server that answers at once
+    is asked about twice per `poll_s` (32 slots each polling at 10 Hz put ~320 HTTP requests a
+    second on the server being measured). Only the first answer decides whether the server has
+    a `/load`: a later failed probe counts as no room."""
+
+    def __init__(self, window: Window, probe: LoadProbe, poll_s: float = 0.1, wait_s: float = 1.0):
         self.window = window
         self.probe = probe
         self.poll_s = poll_s
+        self.wait_s = wait_s
         self.available: Optional[bool] = None   # unknown until the first probe
         self.waits = 0                          # times a slot waited: no room
         self.pending: set[int] = set()          # admitted; first call not yet at the server
@@ -130,19 +146,30 @@ class LoadGate:
         now = time.monotonic()
         if self._refused_at is not None and now - self._refused_at < self.poll_s / 2:
             return 0
-        load = await self.probe()
+        # Held only once the server is known to answer: the first probe tells whether it has a
+        # `/load` at all, and must not keep the first slots waiting.
+        sent = frozenset(self.pending)
+        load = await self.probe(self.wait_s if self.available else 0.0, sent)
         if load is None or not isinstance(load.get("accepting"), bool):
+            if self.available:
+                self._refused_at = time.monotonic()   # a failed probe: no room this time
+                return 0
             return None
         room = load.get("admissible_workflows")
         if not isinstance(room, int) or isinstance(room, bool):
             room = 1                            # a server that only says yes or no
-        room = room - len(self.pending) if load["accepting"] else 0
+        counted = load.get("pending_counted")
+        if not isinstance(counted, int) or isinstance(counted, bool):
+            counted = 0                         # a server that cannot tell
+        # Against the pending set the answer is about: one that arrived meanwhile is counted.
+        room = room - (len(sent) - counted) if load["accepting"] else 0
         self._refused_at = None if room > 0 else time.monotonic()
         return room
 
     async def admit(self) -> Optional[int]:
         while self.window.is_open and self.available is not False:
             async with self._lock:
+                asked = time.monotonic()
                 room = await self._room()
                 if room is None:
                     self.available = False
@@ -154,7 +181,8 @@ class LoadGate:
                         self.pending.add(index)
                     return index
             self.waits += 1
-            await asyncio.sleep(self.poll_s)
+            # A long poll that waited has paced the loop already.
+            await asyncio.sleep(max(0.0, self.poll_s - (time.monotonic() - asked)))
         return await self.window.admit()
 
 
@@ -272,9 +300,15 @@ class WorkflowRunner:
         return chunk
 
 
-def load_probe(http: httpx.AsyncClient, endpoint: Endpoint) -> LoadProbe:
-    async def probe() -> Optional[dict[str, Any]]:
-        doc = await get_json(http, endpoint.root_url + "/load", endpoint.headers(), timeout_s=2.0)
+def load_probe(http: httpx.AsyncClient, endpoint: Endpoint, target: RequestTarget) -> LoadProbe:
+    async def probe(wait: float, pending: frozenset[int]) -> Optional[dict[str, Any]]:
+        params = {}
+        if wait > 0:
+            params["wait"] = f"{wait:g}"
+        if pending:
+            params["pending"] = ",".join(workflow_id(target, i) for i in sorted(pending))
+        url = endpoint.root_url + "/load" + ("?" + urlencode(params) if params else "")
+        doc = await get_json(http, url, endpoint.headers(), timeout_s=wait + 2.0)
         return doc if isinstance(doc, dict) else None
 
     return probe

@@ -697,6 +697,7 @@ class Scheduler:
         evictable = self.pool.num_evictable_blocks
         used = self.pool.num_blocks - free - retained
         st = self.states
+        active = self.workflows.active_ids()
         return EngineStats(
             num_running=len(self.running),
             num_waiting=len(self.waiting),
@@ -717,7 +718,8 @@ class Scheduler:
             num_workflows=len(self.workflows.workflows),
             admissible_workflows=self.admissible_workflows(),
             decode_yield_steps=self.decode_yield_steps_total,
-            active_workflows=self.workflows.num_active,
+            active_workflows=len(active),
+            active_workflow_ids=active,
             max_active_workflows=self.workflow_limit.value,
             engine_overhead=self.workflow_limit.last_overhead,
             engine_stalls=engine_stalls,

@@ -27,6 +27,7 @@ class EngineStats:
     admissible_workflows: int   # how many new workflows are welcome now (admission control)
     decode_yield_steps: int = 0  # steps whose running decodes sat out for prompts (cumulative)
     active_workflows: int = 0    # in flight: a call running or waiting, or KV retained for the next
+    active_workflow_ids: frozenset[str] = frozenset()   # their ids (`GET /load?pending=`)
     max_active_workflows: Optional[int] = None   # the bound on active_workflows `/load` keeps
     engine_overhead: Optional[float] = None      # the auto bound's signal (engine/admission.py)
     engine_stalls: int = 0       # times the stall guard failed unfinished requests (cumulative)

@@ -93,6 +93,10 @@ class WorkflowTracker:
         """Workflows in flight: a call accepted and not finished, or KV retained for the next."""
         return sum(1 for wf in self.workflows.values() if wf.active_calls or wf.retention is not None)
 
+    def active_ids(self) -> frozenset[str]:
+        """The ids of the workflows `num_active` counts."""
+        return frozenset(w for w, wf in self.workflows.items() if wf.active_calls or wf.retention is not None)
+
     # --- retention ---------------------------------------------------------------------
     @property
     def num_retentions(self) -> int:

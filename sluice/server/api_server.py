@@ -117,6 +117,11 @@ def _bearer_auth(api_key: str) -> Callable[[Request], Awaitable[None]]:
     return require_api_key
 
 
+LOAD_WAIT_MAX_S = 30.0   # the longest `GET /load?wait=` holds an answer
+LOAD_WAIT_TICK_S = 0.02  # how often a held `/load` looks at the engine's stats (in process, no HTTP)
+LOAD_PENDING_MAX_CHARS = 16384   # `GET /load?pending=`: a router's admissions in transit
+
+
 def _install_error_handlers(app: FastAPI) -> None:
     async def on_api_error(_: Request, exc: Exception) -> Response:
         return error_response(api_error_from(exc))
@@ -240,15 +245,36 @@ def build_app(
         phase = lifecycle.phase if engine.is_healthy else Phase.DEAD
         return JSONResponse({"status": phase.value}, status_code=200 if phase is Phase.SERVING else 503)
 
-    @app.get("/load")
-    async def load() -> LoadInfo:
+    def load_info(pending: frozenset[str]) -> LoadInfo:
         s = engine.stats()
         return LoadInfo(
             running=s.num_running, waiting=s.num_waiting, waiting_tokens=s.num_waiting_tokens,
             kv_usage=s.kv_usage, accepting=s.accepting and lifecycle.accepting,
             admissible_workflows=s.admissible_workflows if lifecycle.accepting else 0,
             active_workflows=s.active_workflows, max_active_workflows=s.max_active_workflows,
+            pending_counted=len(pending & s.active_workflow_ids) if pending else None,
         )
+
+    @app.get("/load")
+    async def load(wait: float = Query(0.0, ge=0.0, le=LOAD_WAIT_MAX_S),
+                   pending: str = Query("", max_length=LOAD_PENDING_MAX_CHARS)) -> LoadInfo:
+        """The engine's load now. `pending`: comma-separated ids of workflows the caller (a router)
+        admitted whose calls may not have reached the server yet; `pending_counted` says how many
+        of them it counts already, so the room left is admissible_workflows less the others.
+        `wait` (seconds): a long poll; the answer comes as soon as there is that room, the server
+        stops accepting (draining) or its engine fails, or `wait` has passed. A router waiting
+        for room then asks about once per admission instead of many times a second (each answer
+        is CPU the engine does not get: docs/benchmarks.md, session 43)."""
+        ids = frozenset(p for p in pending.split(",") if p)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + wait
+        while True:
+            info = load_info(ids)
+            left = deadline - loop.time()
+            room = info.admissible_workflows - (len(ids) - (info.pending_counted or 0))
+            if room >= 1 or left <= 0 or not lifecycle.accepting or not engine.is_healthy:
+                return info
+            await asyncio.sleep(min(LOAD_WAIT_TICK_S, left))
 
     metrics_auth = auth if server_config.metrics_require_auth else []
 

@@ -646,3 +646,7 @@ class LoadInfo(BaseModel):
     # Workflows in flight, and the bound `admissible_workflows` keeps on them (null: none).
     active_workflows: int = 0
     max_active_workflows: Optional[int] = None
+    # With `?pending=`: how many of those workflow ids the server counts already (among
+    # `active_workflows`, so in `admissible_workflows`); the caller's room is
+    # admissible_workflows - (pending ids - pending_counted).
+    pending_counted: Optional[int] = None
