@@ -2,6 +2,9 @@
 from __future__ import annotations
 
 import json
+import re
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -31,11 +34,91 @@ class ChatTemplateError(ValueError):
     """The chat template rejected the messages (a user error, reported as 400)."""
 
 
+# Pre-tokenizers that work within each piece of text between added tokens, the same wherever the
+# piece stands (ByteLevel only without a prefix space, which it would give the first piece alone).
+_PIECEWISE_PRE_TOKENIZERS = frozenset({"ByteLevel", "Digits", "Split", "Punctuation", "Whitespace",
+                                       "WhitespaceSplit"})
+
+
+def _piecewise_spec(tokenizer_json: str) -> Optional[list[str]]:
+    """The added tokens' texts when encoding a text is encoding each piece between them on its own
+    (no normalizer, pre-tokenizers that work within a piece, added tokens matched as they stand),
+    else None. `tokenizers` splits a text at its added tokens before anything else (leftmost,
+    longest first), so then encode(a + special + b) == encode(a) + [special] + encode(b)."""
+    spec = json.loads(tokenizer_json)
+    if spec.get("normalizer") is not None:
+        return None
+    pre = spec.get("pre_tokenizer")
+    steps = [] if pre is None else pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else [pre]
+    for step in steps:
+        if step.get("type") not in _PIECEWISE_PRE_TOKENIZERS:
+            return None
+        if step.get("type") == "ByteLevel" and step.get("add_prefix_space"):
+            return None
+    added = spec.get("added_tokens") or []
+    if any(t.get("lstrip") or t.get("rstrip") or t.get("single_word") for t in added):
+        return None
+    return [t["content"] for t in added if t.get("content")]
+
+
+class _PieceCache:
+    """Token ids of text pieces between added tokens, least recently used first out, up to
+    `max_chars` of cached text. An agent's calls resend their whole conversation: every message
+    but the newest was encoded before (session 43: a 1,240-token prompt took ~7 ms to encode on
+    the server's event loop, 1.7% of a core at ~2.3 calls/s, on the cores the engine computes on)."""
+
+    MIN_CHARS = 64          # shorter pieces are encoded each time (cheaper than the bookkeeping)
+
+    def __init__(self, tok: HFTokenizer, added: list[str], max_chars: int = 4_000_000) -> None:
+        self._tok = tok
+        alternatives = sorted(set(added), key=len, reverse=True)   # longest first: leftmost-longest
+        self._split = re.compile("(" + "|".join(map(re.escape, alternatives)) + ")") if alternatives else None
+        self._ids = {t: tok.token_to_id(t) for t in alternatives}
+        self._cache: OrderedDict[str, list[int]] = OrderedDict()
+        self._chars = 0
+        self.max_chars = max_chars
+        self.hits = self.misses = 0
+        self._lock = threading.Lock()
+
+    def encode(self, text: str) -> list[int]:
+        pieces = self._split.split(text) if self._split is not None else [text]
+        ids: list[int] = []
+        for i, piece in enumerate(pieces):
+            if i % 2:
+                ids.append(self._ids[piece])          # an added token
+            elif len(piece) < self.MIN_CHARS:
+                if piece:
+                    ids.extend(self._tok.encode(piece, add_special_tokens=False).ids)
+            else:
+                ids.extend(self._piece(piece))
+        return ids
+
+    def _piece(self, piece: str) -> list[int]:
+        with self._lock:
+            got = self._cache.get(piece)
+            if got is not None:
+                self._cache.move_to_end(piece)
+                self.hits += 1
+                return got
+        got = self._tok.encode(piece, add_special_tokens=False).ids
+        with self._lock:
+            self.misses += 1
+            if piece not in self._cache and len(piece) <= self.max_chars:
+                self._cache[piece] = got
+                self._chars += len(piece)
+                while self._chars > self.max_chars:
+                    old, _ = self._cache.popitem(last=False)
+                    self._chars -= len(old)
+        return got
+
+
 class Tokenizer:
     def __init__(self, info: TokenizerInfo) -> None:
         self._tok = HFTokenizer.from_str(info.tokenizer_json)
         self._tok.no_padding()
         self._tok.no_truncation()
+        added = _piecewise_spec(info.tokenizer_json)
+        self._pieces = _PieceCache(self._tok, added) if added is not None else None
         self.info = info
         self.bos_token = info.bos_token
         self.eos_token = info.eos_token
@@ -74,7 +157,10 @@ class Tokenizer:
         return self._template is not None
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        ids = self._tok.encode(text, add_special_tokens=False).ids
+        if self._pieces is not None:
+            ids = self._pieces.encode(text)
+        else:
+            ids = self._tok.encode(text, add_special_tokens=False).ids
         if add_special_tokens and self.info.add_bos_token and self.bos_token_id is not None:
             if not ids or ids[0] != self.bos_token_id:
                 ids = [self.bos_token_id] + ids

@@ -1,6 +1,7 @@
 """GGUF reading and HF export, checked against transformers' own GGUF loader on SmolLM2-135M."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import unicodedata
 from pathlib import Path
@@ -10,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 from gguf.quants import quantize
+from hypothesis import settings, given, strategies as st
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -89,6 +91,74 @@ def test_encode_decode_matches_transformers(tokenizer: Tokenizer, ref_tokenizer,
     for skip in (False, True):
         assert tokenizer.decode(ids, skip_special_tokens=skip) == ref_tokenizer.decode(ids, skip_special_tokens=skip)
     assert tokenizer.decode(ids, skip_special_tokens=False) == text
+
+
+_PIECES = st.one_of(
+    st.sampled_from(["<|im_start|>", "<|im_end|>", "<|endoftext|>", "<file_sep>", "<|im_start", "im_end|>", "\n",
+                     " ", "  ", "\n\n", "user\n", "assistant\n", "2024", " 7", "é"]),
+    st.text(min_size=0, max_size=200),
+    st.text(alphabet="ab cd\n1234.,é😀", min_size=60, max_size=300),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(pieces=st.lists(_PIECES, max_size=12))
+def test_encoding_piece_by_piece_with_the_cache_is_encoding_the_whole_text(tokenizer: Tokenizer, pieces: list[str]) -> None:
+    """The server encodes the text between added tokens piece by piece, long pieces through a
+    cache (an agent's calls resend their conversation): the ids are those of encoding the whole
+    text at once, the first time and from the cache."""
+    assert tokenizer._pieces is not None           # SmolLM2's tokenizer qualifies
+    text = "".join(pieces)
+    whole = tokenizer._tok.encode(text, add_special_tokens=False).ids
+    assert tokenizer.encode(text) == whole
+    assert tokenizer.encode(text) == whole
+
+
+def test_the_piece_cache_hits_on_a_resent_conversation_and_stays_within_its_budget(ckpt: GGUFCheckpoint) -> None:
+    tok = Tokenizer(ckpt.tokenizer)
+    cache = tok._pieces
+    assert cache is not None
+    history = [{"role": "user", "content": "Tool result: " + "row %d, value %d; " % (i, i * i) * 20} for i in range(6)]
+    def long_pieces(text: str) -> int:
+        return sum(len(p) >= cache.MIN_CHARS for p in cache._split.split(text)[::2])
+
+    system = long_pieces(tok.apply_chat_template(history[:1])) - 1   # the template's default system prompt
+    lookups = 0
+    for n in range(1, len(history) + 1):
+        text = tok.apply_chat_template(history[:n])
+        assert tok.encode(text) == tok._tok.encode(text, add_special_tokens=False).ids
+        lookups += long_pieces(text)
+    # Each message is encoded once; every later call finds it (and the system prompt) cached.
+    assert lookups == sum(n + system for n in range(1, len(history) + 1))
+    assert cache.misses == len(history) + system and cache.hits == lookups - cache.misses
+    small = Tokenizer(ckpt.tokenizer)
+    small._pieces.max_chars = 1000                  # a message is ~350 characters: two fit
+    for n in range(1, len(history) + 1):
+        text = small.apply_chat_template(history[:n])
+        assert small.encode(text) == small._tok.encode(text, add_special_tokens=False).ids
+        assert small._pieces._chars <= 1000 and len(small._pieces._cache) <= 3
+    assert small._pieces.misses > len(history) + system     # evicted pieces were encoded again
+
+
+def test_a_tokenizer_that_does_not_split_at_added_tokens_cleanly_encodes_whole_texts(ckpt: GGUFCheckpoint) -> None:
+    """A normalizer, a byte-level prefix space (given to the first piece only) or an added token
+    that strips its neighbours' whitespace would make piece-by-piece encoding differ: those
+    tokenizers encode the whole text."""
+    spec = json.loads(ckpt.tokenizer.tokenizer_json)
+    variants = []
+    variants.append({**spec, "normalizer": {"type": "NFC"}})
+    pre = json.loads(json.dumps(spec["pre_tokenizer"]))
+    pre["pretokenizers"][-1]["add_prefix_space"] = True
+    variants.append({**spec, "pre_tokenizer": pre})
+    added = [dict(t) for t in spec["added_tokens"]]
+    added[2]["rstrip"] = True
+    variants.append({**spec, "added_tokens": added})
+    variants.append({**spec, "pre_tokenizer": {"type": "Metaspace", "replacement": "▁", "prepend_scheme": "first"}})
+    text = "<|im_start|>user\n" + "word " * 30 + "<|im_end|>\n  tail"
+    for v in variants:
+        tok = Tokenizer(dataclasses.replace(ckpt.tokenizer, tokenizer_json=json.dumps(v)))
+        assert tok._pieces is None
+        assert tok.encode(text) == tok._tok.encode(text, add_special_tokens=False).ids
 
 
 def _split_numerals(text: str) -> list[str]:
