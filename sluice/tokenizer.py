@@ -42,8 +42,8 @@ _PIECEWISE_PRE_TOKENIZERS = frozenset({"ByteLevel", "Digits", "Split", "Punctuat
 
 def _piecewise_spec(tokenizer_json: str) -> Optional[list[str]]:
     """The added tokens' texts when encoding a text is encoding each piece between them on its own
-    (no normalizer, pre-tokenizers that work within a piece, added tokens matched as they stand),
-    else None. `tokenizers` splits a text at its added tokens before anything else (leftmost,
+    (no normalizer, pre-tokenizers that work within a piece, added tokens matched as they stand,
+    in one pass), else None. `tokenizers` splits a text at its added tokens before anything else (leftmost,
     longest first), so then encode(a + special + b) == encode(a) + [special] + encode(b)."""
     spec = json.loads(tokenizer_json)
     if spec.get("normalizer") is not None:
@@ -57,6 +57,10 @@ def _piecewise_spec(tokenizer_json: str) -> Optional[list[str]]:
             return None
     added = spec.get("added_tokens") or []
     if any(t.get("lstrip") or t.get("rstrip") or t.get("single_word") for t in added):
+        return None
+    # `tokenizers` matches tokens marked `normalized` in a second pass, after the others: one
+    # pass (below) finds the same matches only when all are marked alike.
+    if len({bool(t.get("normalized")) for t in added}) > 1:
         return None
     return [t["content"] for t in added if t.get("content")]
 

@@ -141,9 +141,9 @@ def test_the_piece_cache_hits_on_a_resent_conversation_and_stays_within_its_budg
 
 
 def test_a_tokenizer_that_does_not_split_at_added_tokens_cleanly_encodes_whole_texts(ckpt: GGUFCheckpoint) -> None:
-    """A normalizer, a byte-level prefix space (given to the first piece only) or an added token
-    that strips its neighbours' whitespace would make piece-by-piece encoding differ: those
-    tokenizers encode the whole text."""
+    """A normalizer, a byte-level prefix space (given to the first piece only), an added token
+    that strips its neighbours' whitespace or added tokens matched in two passes would make
+    piece-by-piece encoding differ: those tokenizers encode the whole text."""
     spec = json.loads(ckpt.tokenizer.tokenizer_json)
     variants = []
     variants.append({**spec, "normalizer": {"type": "NFC"}})
@@ -152,6 +152,9 @@ def test_a_tokenizer_that_does_not_split_at_added_tokens_cleanly_encodes_whole_t
     variants.append({**spec, "pre_tokenizer": pre})
     added = [dict(t) for t in spec["added_tokens"]]
     added[2]["rstrip"] = True
+    variants.append({**spec, "added_tokens": added})
+    added = [dict(t) for t in spec["added_tokens"]]
+    added[3]["normalized"] = not added[3].get("normalized", False)   # matched in a second pass
     variants.append({**spec, "added_tokens": added})
     variants.append({**spec, "pre_tokenizer": {"type": "Metaspace", "replacement": "▁", "prepend_scheme": "first"}})
     text = "<|im_start|>user\n" + "word " * 30 + "<|im_end|>\n  tail"
