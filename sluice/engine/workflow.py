@@ -88,14 +88,16 @@ class WorkflowTracker:
         if wf is not None and wf.active_calls == 0 and wf.retention is None:
             del self.workflows[workflow_id]
 
+    def _active(self):
+        """Ids of the workflows in flight: a call accepted and not finished, or KV retained for the next."""
+        return (w for w, wf in self.workflows.items() if wf.active_calls or wf.retention is not None)
+
     @property
     def num_active(self) -> int:
-        """Workflows in flight: a call accepted and not finished, or KV retained for the next."""
-        return sum(1 for wf in self.workflows.values() if wf.active_calls or wf.retention is not None)
+        return sum(1 for _ in self._active())
 
     def active_ids(self) -> frozenset[str]:
-        """The ids of the workflows `num_active` counts."""
-        return frozenset(w for w, wf in self.workflows.items() if wf.active_calls or wf.retention is not None)
+        return frozenset(self._active())
 
     # --- retention ---------------------------------------------------------------------
     @property
