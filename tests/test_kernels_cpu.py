@@ -1,12 +1,16 @@
 """The compiled bf16 linear, RMSNorm and rotary kernels (sluice/attention/cpu/{linear,fused}.cpp) against torch.
 
 Reference: the product in float64 of the same bf16 inputs, rounded once to bf16. The kernel sums
-in float32 (`vdpbf16ps`), so its result may differ from that by float32 rounding of a K-term sum
-plus one bf16 rounding: a relative error of ~2^-8 of the output's scale. A wrong packing (a
-column or k pair swapped) moves results by O(1) of that scale, so 2e-2 separates the two.
+in float32 (`vdpbf16ps`, or AMX's `tdpbf16ps` where the CPU has it), so its result may differ from
+that by float32 rounding of a K-term sum plus one bf16 rounding: a relative error of ~2^-8 of the
+output's scale. A wrong packing (a column or k pair swapped) moves results by O(1) of that scale, so
+2e-2 separates the two. On AMX CPUs the linear tests run on both paths (the `linear_path` fixture).
 """
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -26,6 +30,23 @@ def _ext():
     extension.load_extension()
 
 
+def _amx_here() -> bool:
+    return {"amx_tile", "amx_bf16"} <= extension.cpu_flags() and extension.kernel_isa() == "avx512_bf16"
+
+
+@pytest.fixture(params=["amx", "vector"])
+def linear_path(request):
+    """Runs a test with the linears on AMX tiles and again on the vector (AVX-512 / AVX2) path;
+    the AMX run is skipped where the CPU or the kernel set has no AMX."""
+    was = torch.ops.sluice.linear_amx_enabled()
+    want = request.param == "amx"
+    if want and not _amx_here():
+        pytest.skip("no AMX on this CPU (or the AVX2 kernel set runs)")
+    assert torch.ops.sluice.linear_set_amx(want) == want
+    yield request.param
+    torch.ops.sluice.linear_set_amx(was)
+
+
 def _ref(x: torch.Tensor, w: torch.Tensor, b) -> torch.Tensor:
     y = x.double() @ w.double().T
     if b is not None:
@@ -42,7 +63,7 @@ def _close(got: torch.Tensor, want: torch.Tensor) -> None:
 @pytest.mark.parametrize("m", [1, 2, 5, 6, 7, 12, 13, 33, 130, 197, 300])
 @pytest.mark.parametrize("n,k", [(16, 2), (48, 64), (64, 576), (80, 96), (960, 576), (576, 1536)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_linear_matches_reference(m, n, k, bias):
+def test_linear_matches_reference(m, n, k, bias, linear_path):
     g = torch.Generator().manual_seed(m * 1000 + n + k)
     x = torch.randn(m, k, generator=g).bfloat16()
     w = (torch.randn(n, k, generator=g) / k ** 0.5).bfloat16()
@@ -56,7 +77,7 @@ def test_linear_matches_reference(m, n, k, bias):
 @pytest.mark.parametrize("m", [1, 6, 9, 40, 200])
 @pytest.mark.parametrize("inter", [16, 32, 48, 1536])
 @pytest.mark.parametrize("bias", [False, True])
-def test_fused_silu_mul_matches_unfused(m, inter, bias):
+def test_fused_silu_mul_matches_unfused(m, inter, bias, linear_path):
     k = 576
     g = torch.Generator().manual_seed(m + inter)
     x = torch.randn(m, k, generator=g).bfloat16()
@@ -75,7 +96,7 @@ def test_gate_up_order_pairs_gate_and_up_rows():
     assert sorted(order) == list(range(96))
 
 
-def test_strided_and_batched_inputs():
+def test_strided_and_batched_inputs(linear_path):
     g = torch.Generator().manual_seed(1)
     w = (torch.randn(64, 128, generator=g) / 11).bfloat16()
     layer = PackedLinear(w, None)
@@ -239,13 +260,14 @@ def test_argmax_rows_matches_torch_argmax(dtype):
 
 
 @pytest.mark.parametrize("silu_mul,n", [(False, 192), (False, 240), (True, 192), (True, 224)])
-def test_a_row_does_not_depend_on_the_rows_beside_it(silu_mul, n):
+def test_a_row_does_not_depend_on_the_rows_beside_it(silu_mul, n, linear_path):
     """Each output row is the same bits whatever the row count: small batches and large ones take
     different code paths (on AVX2, one or two rows stream 4 column vectors at a time, weights
     widened once per block from 8 rows), and speculative verification (7 rows a request) must
     reproduce plain decoding (1 row) exactly. Widths 240 and 224 end in a narrower group. From
     192 rows the AVX-512 kernel deals row blocks x groups to the threads (300 rows: three full
-    blocks and a partial one)."""
+    blocks and a partial one). On AMX every row count runs on the tiles, a partial last tile of
+    16 rows from a zero-padded copy."""
     g = torch.Generator().manual_seed(7)
     k = 576
     w = (torch.randn(n, k, generator=g) / k ** 0.5).bfloat16()
@@ -258,3 +280,58 @@ def test_a_row_does_not_depend_on_the_rows_beside_it(silu_mul, n):
     for m in (1, 2, 5, 7, 8, 9, 13, 97, 130, 200):
         part = torch.cat([layer(x[i:i + m]) for i in range(0, 300, m)])
         assert torch.equal(part, whole), f"rows differ between batches of {m} and one of 300"
+
+
+# --- AMX (linear.cpp on CPUs with AMX tiles) ---------------------------------------------------
+
+def test_amx_is_on_exactly_where_the_cpu_has_it():
+    """The linears use AMX by default where the CPU has AMX-BF16 and the AVX-512 set is built (the
+    kernel asks Linux for the tile state); it can be switched off and on; elsewhere it stays off."""
+    was = torch.ops.sluice.linear_amx_enabled()
+    try:
+        assert was == _amx_here() or os.environ.get("SLUICE_CPU_AMX") == "0"
+        assert torch.ops.sluice.linear_set_amx(False) is False
+        assert torch.ops.sluice.linear_amx_enabled() is False
+        assert torch.ops.sluice.linear_set_amx(True) is _amx_here()
+        assert torch.ops.sluice.linear_amx_enabled() is _amx_here()
+        assert extension.linear_isa() == ("amx_bf16" if _amx_here() else extension.kernel_isa())
+    finally:
+        torch.ops.sluice.linear_set_amx(was)
+
+
+@pytest.mark.skipif(not _amx_here(), reason="no AMX on this CPU")
+def test_sluice_cpu_amx_0_keeps_a_process_off_amx():
+    code = ("import torch; from sluice.attention.cpu import extension; extension.load_extension(); "
+            "print(torch.ops.sluice.linear_amx_enabled(), extension.linear_isa())")
+    for env, want in (("0", "False avx512_bf16"), ("1", "True amx_bf16")):
+        out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "SLUICE_CPU_AMX": env},
+                             capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.split() == want.split()
+
+
+@pytest.mark.skipif(not _amx_here(), reason="no AMX on this CPU")
+@pytest.mark.parametrize("silu_mul", [False, True])
+def test_amx_and_vector_paths_agree_to_rounding(silu_mul):
+    """The two paths sum in different orders: on the model's shapes they may differ in the last
+    bf16 place of a few outputs in 10^3, never by more (or, for an output that nearly cancels, by
+    float32 noise of the sum: 2^-16 of the output's scale). Fused, gate and up are each rounded to
+    bf16 before silu(gate) * up, so one last-place step in either moves the product by up to ~3."""
+    g = torch.Generator().manual_seed(11)
+    k, n = 576, 3072
+    w = (torch.randn(n, k, generator=g) / k ** 0.5).bfloat16()
+    layer = PackedLinear(w, None, silu_mul=silu_mul)
+    x = torch.randn(70, k, generator=g).bfloat16()
+    was = torch.ops.sluice.linear_amx_enabled()
+    try:
+        torch.ops.sluice.linear_set_amx(True)
+        tiles = layer(x).float()
+        torch.ops.sluice.linear_set_amx(False)
+        vector = layer(x).float()
+    finally:
+        torch.ops.sluice.linear_set_amx(was)
+    differ = tiles != vector
+    assert differ.float().mean().item() < 1e-2
+    ulps = 4.0 if silu_mul else 1.01
+    tol = torch.maximum(vector.abs() * 2.0 ** -7 * ulps, vector.abs().max() * 2.0 ** -16)
+    assert ((tiles - vector).abs() <= tol)[differ].all()

@@ -8,7 +8,7 @@ from __future__ import annotations
 import sys
 import time
 
-from sluice.attention.cpu.extension import BUILD_ROOT, CpuAttentionUnavailable, kernel_isa, load_extension
+from sluice.attention.cpu.extension import BUILD_ROOT, CpuAttentionUnavailable, kernel_isa, linear_isa, load_extension
 
 
 def main() -> int:
@@ -19,7 +19,7 @@ def main() -> int:
         print(f"sluice: cpu attention backend unavailable ({e}); the engine will use the torch backend",
               file=sys.stderr)
         return 1
-    print(f"sluice: cpu attention backend ready ({kernel_isa()} kernels) in {time.perf_counter() - t0:.1f} s "
+    print(f"sluice: cpu attention backend ready ({kernel_isa()} kernels, linears on {linear_isa()}) in {time.perf_counter() - t0:.1f} s "
           f"(cache: {BUILD_ROOT})")
     return 0
 

@@ -3,7 +3,9 @@
 The kernels come in two sets with the same ops: for CPUs with AVX-512 BF16 (paged_attention.cpp,
 linear.cpp, fused.cpp: `vdpbf16ps`) and for CPUs with only AVX2 + FMA (the `_avx2.cpp` files:
 bfloat16 widened to float32 in registers). `kernel_isa()` picks the set this CPU runs best;
-`SLUICE_CPU_ISA=avx2` forces the AVX2 set on an AVX-512 machine (to test or compare it).
+`SLUICE_CPU_ISA=avx2` forces the AVX2 set on an AVX-512 machine (to test or compare it). Within
+the AVX-512 set, the linears run on AMX tiles where the CPU has AMX-BF16 (`linear_isa()`;
+`SLUICE_CPU_AMX=0` keeps them on `vdpbf16ps`).
 
 The extension is compiled once per (source, CPU flags, kernel set, torch version) with
 `torch.utils.cpp_extension.load` into ~/.cache/sluice/torch_extensions and loaded as
@@ -177,7 +179,16 @@ def load_extension() -> None:
             _state["error"] = CpuAttentionUnavailable(f"loading the extension failed: {e!r}")
             raise _state["error"] from e  # type: ignore[misc]
         _state["ok"] = True
-        logger.info("cpu attention extension ready (%s kernels, build/load %.1f s)", _state.get("isa"), seconds)
+        logger.info("cpu attention extension ready (%s kernels, linears on %s, build/load %.1f s)", _state.get("isa"),
+                    linear_isa(), seconds)
+
+
+def linear_isa() -> str | None:
+    """What the packed linears run on: "amx_bf16" (AMX tiles, on CPUs that have them, unless
+    `SLUICE_CPU_AMX=0`), else the kernel set's ISA; None before the extension is loaded."""
+    if "ok" not in _state:
+        return None
+    return "amx_bf16" if torch.ops.sluice.linear_amx_enabled() else str(_state.get("isa"))
 
 
 def is_available() -> bool:

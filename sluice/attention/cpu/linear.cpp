@@ -18,6 +18,14 @@
 // linear_bf16_silu_mul takes a gate/up projection whose packed groups hold 32 gate columns then
 // the 32 matching up columns (see pack_gate_up), and writes silu(gate) * up: [M, N / 2], so the
 // [M, N] intermediate of an MLP never reaches memory.
+//
+// On CPUs with AMX (Sapphire Rapids and later, built with -march=native there) the same packed
+// layout feeds `tdpbf16ps`: a group's k pairs are the rows of a B tile (16 k pairs x 16 columns x
+// 2, 256-byte stride in a 64-wide group), x's rows are A tiles. AMX sums in another order than
+// `vdpbf16ps` (not the same bits), so where it is on it computes every row count of a layer, from
+// one row up: a row's bits never depend on the rows beside it (speculative verification relies on
+// that). Layers whose K is not a multiple of 32 stay on the AVX-512 path. `SLUICE_CPU_AMX=0` (or
+// torch.ops.sluice.linear_set_amx(False)) turns it off.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -34,7 +42,18 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
+#include <optional>
+#include <vector>
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define SLUICE_HAVE_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+#else
+#define SLUICE_HAVE_AMX 0
+#endif
 
 #if !(defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512BF16__))
 #error "sluice's CPU linear kernel needs AVX-512 F, BW, VL and BF16"
@@ -124,6 +143,169 @@ void run_group(const bf16* x, int64_t m, int64_t ldx, const bf16* w, int64_t k_p
   }
 }
 
+
+// ---- AMX ---------------------------------------------------------------------------------------
+
+// Whether linears run on AMX: the CPU and kernel build have it, Linux granted this process the tile
+// state, and it is switched on (SLUICE_CPU_AMX != "0" at first use, or linear_set_amx).
+std::atomic<int> g_amx{-1};  // -1: not decided yet
+
+bool amx_permitted() {
+#if SLUICE_HAVE_AMX
+  // Linux hands out the 8 KiB tile state only on request (arch_prctl ARCH_REQ_XCOMP_PERM), once
+  // per process; every thread of the process may then use the tiles.
+  static const bool ok = [] {
+    constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return ok;
+#else
+  return false;
+#endif
+}
+
+bool amx_on() {
+  int v = g_amx.load(std::memory_order_relaxed);
+  if (v < 0) {
+    const char* env = std::getenv("SLUICE_CPU_AMX");
+    v = amx_permitted() && !(env && std::strcmp(env, "0") == 0) ? 1 : 0;
+    g_amx.store(v, std::memory_order_relaxed);
+  }
+  return v == 1;
+}
+
+#if SLUICE_HAVE_AMX
+constexpr int kTileRows = 16;  // rows of x per A tile, k pairs per B tile
+constexpr int kTileK = 32;     // bf16 of K per A tile row (64 bytes)
+
+struct TileConfig {
+  uint8_t palette = 1, start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Tiles 0-3: C (fp32, 16 x 16); 4-5: A (16 rows x 32 bf16); 6-7: B (16 k pairs x 16 columns x 2).
+// Every tile is 16 rows of 64 bytes. Loaded per worker, released when it is done.
+struct AmxTiles {
+  AmxTiles() {
+    TileConfig c;
+    for (int t = 0; t < 8; ++t) {
+      c.rows[t] = kTileRows;
+      c.colsb[t] = 64;
+    }
+    _tile_loadconfig(&c);
+  }
+  ~AmxTiles() { _tile_release(); }
+  AmxTiles(const AmxTiles&) = delete;
+  AmxTiles& operator=(const AmxTiles&) = delete;
+};
+
+// c[16 r + i][16 v + j] (ld 32 floats) = sum over K of a_r[i][:] * column (16 ct[v] + j) of the
+// group at w (gw columns wide), for kR row tiles and kV column tiles.
+template <int kR, int kV>
+inline void amx_block(const bf16* const (&a)[2], const int64_t (&lda_bytes)[2], const bf16* w, int64_t gw, int64_t k,
+                      const int (&ct)[2], float* c) {
+  _tile_zero(0);
+  if constexpr (kV > 1) _tile_zero(1);
+  if constexpr (kR > 1) {
+    _tile_zero(2);
+    if constexpr (kV > 1) _tile_zero(3);
+  }
+  const int64_t ldb_bytes = gw * 4;
+  for (int64_t k0 = 0; k0 < k; k0 += kTileK) {
+    const bf16* wk = w + k0 * gw;  // k pair k0 / 2: (k0 / 2) * gw * 2 elements
+    _tile_loadd(4, a[0] + k0, lda_bytes[0]);
+    _tile_loadd(6, wk + 32 * ct[0], ldb_bytes);
+    if constexpr (kV > 1) _tile_loadd(7, wk + 32 * ct[1], ldb_bytes);
+    _tile_dpbf16ps(0, 4, 6);
+    if constexpr (kV > 1) _tile_dpbf16ps(1, 4, 7);
+    if constexpr (kR > 1) {
+      _tile_loadd(5, a[1] + k0, lda_bytes[1]);
+      _tile_dpbf16ps(2, 5, 6);
+      if constexpr (kV > 1) _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  _tile_stored(0, c, 128);
+  if constexpr (kV > 1) _tile_stored(1, c + 16, 128);
+  if constexpr (kR > 1) {
+    _tile_stored(2, c + 16 * 32, 128);
+    if constexpr (kV > 1) _tile_stored(3, c + 16 * 32 + 16, 128);
+  }
+}
+
+// x's rows as A tiles: row tile t starts at x + 16 t rows, except a last partial tile, which reads
+// a zero-padded copy (built once per call) so that no tile load runs past x.
+struct AmxRows {
+  const bf16* x;
+  int64_t ldx, m, k;
+  std::vector<bf16> pad;  // 16 x k, the rows of the last partial tile then zeros
+
+  AmxRows(const bf16* x_, int64_t ldx_, int64_t m_, int64_t k_) : x(x_), ldx(ldx_), m(m_), k(k_) {
+    const int64_t rem = m % kTileRows;
+    if (rem) {
+      pad.assign(kTileRows * k, bf16{});
+      for (int64_t r = 0; r < rem; ++r) std::memcpy(&pad[r * k], x + (m - rem + r) * ldx, k * sizeof(bf16));
+    }
+  }
+  bool padded(int64_t t) const { return (t + 1) * kTileRows > m; }
+  const bf16* tile(int64_t t) const { return padded(t) ? pad.data() : x + t * kTileRows * ldx; }
+  int64_t ld_bytes(int64_t t) const { return (padded(t) ? k : ldx) * static_cast<int64_t>(sizeof(bf16)); }
+};
+
+// Rows [r0, r0 + rows) (r0 a multiple of 16) of the group at w, gw columns wide.
+template <bool kSiluMul>
+void amx_group(const AmxRows& xs, int64_t r0, int64_t rows, const bf16* w, int64_t gw, int64_t k, const float* bias,
+               bf16* y, int64_t ldy) {
+  alignas(64) float c[32 * 32];
+  const int tiles = static_cast<int>(gw / 16);
+  // Column-tile passes: plain, (0, 1), (2, 3) or a lone last tile; fused, gate tile j with up
+  // tile j + tiles / 2, whose silu(gate) * up is output tile j.
+  int passes[4][2], npass = 0;
+  if constexpr (kSiluMul) {
+    for (int j = 0; j < tiles / 2; ++j) passes[npass][0] = j, passes[npass][1] = j + tiles / 2, ++npass;
+  } else {
+    for (int j = 0; j < tiles; j += 2) passes[npass][0] = j, passes[npass][1] = j + 1 < tiles ? j + 1 : -1, ++npass;
+  }
+  const int64_t t_end = (r0 + rows + kTileRows - 1) / kTileRows;
+  for (int p = 0; p < npass; ++p) {
+    const int ct[2] = {passes[p][0], passes[p][1]};
+    const bool two_cols = ct[1] >= 0;
+    for (int64_t t = r0 / kTileRows; t < t_end; t += 2) {
+      const bool two_rows = t + 1 < t_end;
+      const bf16* a[2] = {xs.tile(t), two_rows ? xs.tile(t + 1) : nullptr};
+      const int64_t lda[2] = {xs.ld_bytes(t), two_rows ? xs.ld_bytes(t + 1) : 0};
+      if (two_rows) {
+        if (two_cols) amx_block<2, 2>(a, lda, w, gw, k, ct, c);
+        else amx_block<2, 1>(a, lda, w, gw, k, ct, c);
+      } else {
+        if (two_cols) amx_block<1, 2>(a, lda, w, gw, k, ct, c);
+        else amx_block<1, 1>(a, lda, w, gw, k, ct, c);
+      }
+      const int64_t row0 = t * kTileRows, nrows = std::min<int64_t>(two_rows ? 32 : 16, r0 + rows - row0);
+      for (int64_t i = 0; i < nrows; ++i) {
+        const float* ci = c + i * 32;
+        bf16* yi = y + (row0 - r0 + i) * ldy;
+        if constexpr (kSiluMul) {
+          __m512 g = _mm512_load_ps(ci), u = _mm512_load_ps(ci + 16);
+          if (bias) {
+            g = _mm512_add_ps(g, _mm512_loadu_ps(bias + 16 * ct[0]));
+            u = _mm512_add_ps(u, _mm512_loadu_ps(bias + 16 * ct[1]));
+          }
+          store_bf16(yi + 16 * ct[0], silu_mul(round_bf16(g), round_bf16(u)));
+        } else {
+          for (int v = 0; v < (two_cols ? 2 : 1); ++v) {
+            __m512 acc = _mm512_load_ps(ci + 16 * v);
+            if (bias) acc = _mm512_add_ps(acc, _mm512_loadu_ps(bias + 16 * ct[v]));
+            store_bf16(yi + 16 * ct[v], acc);
+          }
+        }
+      }
+    }
+  }
+}
+#endif  // SLUICE_HAVE_AMX
+
 // Columns [g * 64, ...) of the group g; the last group may be 16, 32 or 48 wide.
 //
 // Below two row blocks (decodes, verification, short prompts) the groups are split between the
@@ -149,12 +331,23 @@ void run(const at::Tensor& x, const at::Tensor& packed, int64_t n, int64_t k, co
   const bf16* xp = reinterpret_cast<const bf16*>(x.data_ptr<c10::BFloat16>());
   const bf16* wp = reinterpret_cast<const bf16*>(packed.data_ptr<c10::BFloat16>());
   bf16* yp = reinterpret_cast<bf16*>(y.data_ptr<c10::BFloat16>());
+#if SLUICE_HAVE_AMX
+  const bool amx = k % kTileK == 0 && amx_on();
+  std::optional<AmxRows> amx_rows;
+  if (amx) amx_rows.emplace(xp, ldx, m, k);
+#endif
   // Rows [r0, r0 + rows) of group g.
   auto group = [&](int64_t g, int64_t r0, int64_t rows) {
     const int64_t col = g * kGroupCols;
     const int vecs = static_cast<int>(std::min<int64_t>(kGroupCols, n - col) / 16);
     const bf16* wg = wp + col * k;
     const float* bg = bias ? bias + col : nullptr;
+#if SLUICE_HAVE_AMX
+    if (amx) {
+      amx_group<kSiluMul>(*amx_rows, r0, rows, wg, 16 * vecs, k, bg, yp + r0 * ldy + (kSiluMul ? col / 2 : col), ldy);
+      return;
+    }
+#endif
     const bf16* xr = xp + r0 * ldx;
     if constexpr (kSiluMul) {
       bf16* yg = yp + r0 * ldy + col / 2;
@@ -175,6 +368,10 @@ void run(const at::Tensor& x, const at::Tensor& packed, int64_t n, int64_t k, co
     // of work for a tiny M the fork costs more than it saves, so let at::parallel_for decide.
     const int64_t grain = m * k >= 4096 ? 1 : 4;
     at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
+#if SLUICE_HAVE_AMX
+      std::optional<AmxTiles> tiles;
+      if (amx) tiles.emplace();
+#endif
       for (int64_t g = g0; g < g1; ++g) group(g, 0, m);
     });
     return;
@@ -185,6 +382,10 @@ void run(const at::Tensor& x, const at::Tensor& packed, int64_t n, int64_t k, co
   const int64_t items = (m + kRowBlock - 1) / kRowBlock * runs;
   std::atomic<int64_t> next_item{0};
   auto work = [&](int64_t, int64_t) {
+#if SLUICE_HAVE_AMX
+    std::optional<AmxTiles> tiles;
+    if (amx) tiles.emplace();
+#endif
     for (int64_t it = next_item.fetch_add(1); it < items; it = next_item.fetch_add(1)) {
       const int64_t r0 = it / runs * kRowBlock, rows = std::min<int64_t>(kRowBlock, m - r0);
       const int64_t g0 = it % runs * run_len, g1 = std::min(groups, g0 + run_len);
@@ -197,6 +398,12 @@ void run(const at::Tensor& x, const at::Tensor& packed, int64_t n, int64_t k, co
 }
 
 struct Avx512 {
+  static bool set_amx(bool enable) {
+    const bool on = enable && amx_permitted();
+    g_amx.store(on ? 1 : 0, std::memory_order_relaxed);
+    return on;
+  }
+  static bool amx_enabled() { return amx_on(); }
   template <bool kSiluMul>
   static void run(const at::Tensor& x, const at::Tensor& packed, int64_t n, int64_t k, const float* bias, at::Tensor& y) {
     ::run<kSiluMul>(x, packed, n, k, bias, y);

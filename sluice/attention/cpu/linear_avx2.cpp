@@ -399,6 +399,8 @@ void run(const at::Tensor& x, const at::Tensor& packed, int64_t n, int64_t k, co
 }
 
 struct Avx2 {
+  static bool set_amx(bool) { return false; }  // AMX CPUs have AVX-512 BF16 and take that kernel set
+  static bool amx_enabled() { return false; }
   template <bool kSiluMul>
   static void run(const at::Tensor& x, const at::Tensor& packed, int64_t n, int64_t k, const float* bias, at::Tensor& y) {
     ::run<kSiluMul>(x, packed, n, k, bias, y);

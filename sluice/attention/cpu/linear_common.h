@@ -1,6 +1,8 @@
 // The ISA-neutral half of the packed bfloat16 linear kernels (linear.cpp for AVX-512 BF16,
 // linear_avx2.cpp for AVX2 + FMA): input checks and outputs. Each kernel file passes a type `Isa`
-// with `template <bool kSiluMul> static void run(x, packed, n, k, bias or nullptr, y)`.
+// with `template <bool kSiluMul> static void run(x, packed, n, k, bias or nullptr, y)`,
+// `static bool set_amx(bool)` (switch AMX on or off; returns whether it is on) and
+// `static bool amx_enabled()`.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -57,4 +59,6 @@ at::Tensor linear_bf16_silu_mul(const at::Tensor& x, const at::Tensor& packed, i
                                   const c10::optional<at::Tensor>& bias) {                              \
     return sluice_linear::linear_bf16_silu_mul<Isa>(x, packed, n, bias);                                \
   }                                                                                                     \
+  bool linear_set_amx(bool enable) { return Isa::set_amx(enable); }                                     \
+  bool linear_amx_enabled() { return Isa::amx_enabled(); }                                              \
   }

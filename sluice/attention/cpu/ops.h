@@ -21,6 +21,9 @@ at::Tensor argmax_rows(const at::Tensor& logits);
 at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t n, const c10::optional<at::Tensor>& bias);
 at::Tensor linear_bf16_silu_mul(const at::Tensor& x, const at::Tensor& packed, int64_t n,
                                 const c10::optional<at::Tensor>& bias);
+// Whether the linears run on AMX tiles (CPUs that have them): set (returns the state now) and read.
+bool linear_set_amx(bool enable);
+bool linear_amx_enabled();
 
 // paged_attention.cpp
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache,
