@@ -3,7 +3,9 @@
 The kernel tests (test_kernels_cpu.py, test_attention_cpu.py, test_compiled_stack.py) run the set
 `kernel_isa()` picks for this CPU: AVX-512 BF16 where the CPU has it, else AVX2 + FMA. So that the
 AVX2 set is tested on an AVX-512 machine too, the last test here runs those tests again in a
-subprocess with `SLUICE_CPU_ISA=avx2`.
+subprocess with `SLUICE_CPU_ISA=avx2`. On a CPU with AMX tiles, whose bf16 products run on AMX by
+default, they run once more with `SLUICE_CPU_AMX=0`, so that the AVX-512 `vdpbf16ps` paths are
+tested there as well.
 """
 from __future__ import annotations
 
@@ -56,8 +58,19 @@ def test_every_kernel_set_lists_sources_that_exist():
 @pytest.mark.skipif(os.environ.get("SLUICE_CPU_ISA", "") == "avx2" or extension.kernel_isa() == "avx2",
                     reason="this process already runs the AVX2 set: the kernel tests cover it")
 def test_avx2_kernels_pass_the_kernel_tests():
+    _kernel_tests_pass({"SLUICE_CPU_ISA": "avx2"})
+
+
+@pytest.mark.skipif(not ({"amx_tile", "amx_bf16"} <= extension.cpu_flags() and extension.kernel_isa() == "avx512_bf16"),
+                    reason="no AMX here: the kernel tests already run the vector paths")
+@pytest.mark.skipif(os.environ.get("SLUICE_CPU_AMX", "") == "0", reason="this process already runs without AMX")
+def test_the_avx512_paths_pass_the_kernel_tests_with_amx_off():
+    _kernel_tests_pass({"SLUICE_CPU_AMX": "0"})
+
+
+def _kernel_tests_pass(extra_env: dict[str, str]) -> None:
     tests = Path(__file__).parent
-    env = {**os.environ, "SLUICE_CPU_ISA": "avx2"}
+    env = {**os.environ, **extra_env}
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
          str(tests / "test_kernels_cpu.py"), str(tests / "test_attention_cpu.py"), str(tests / "test_compiled_stack.py")],

@@ -24,8 +24,7 @@
 // 2, 256-byte stride in a 64-wide group), x's rows are A tiles. AMX sums in another order than
 // `vdpbf16ps` (not the same bits), so where it is on it computes every row count of a layer, from
 // one row up: a row's bits never depend on the rows beside it (speculative verification relies on
-// that). Layers whose K is not a multiple of 32 stay on the AVX-512 path. `SLUICE_CPU_AMX=0` (or
-// torch.ops.sluice.linear_set_amx(False)) turns it off.
+// that). Layers whose K is not a multiple of 32 stay on the AVX-512 path. The switch is amx.h's.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -42,18 +41,11 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
-#include <cstdlib>
 #include <cstring>
 #include <optional>
 #include <vector>
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-#define SLUICE_HAVE_AMX 1
-#include <sys/syscall.h>
-#include <unistd.h>
-#else
-#define SLUICE_HAVE_AMX 0
-#endif
+#include "amx.h"
 
 #if !(defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512BF16__))
 #error "sluice's CPU linear kernel needs AVX-512 F, BW, VL and BF16"
@@ -146,60 +138,10 @@ void run_group(const bf16* x, int64_t m, int64_t ldx, const bf16* w, int64_t k_p
 
 // ---- AMX ---------------------------------------------------------------------------------------
 
-// Whether linears run on AMX: the CPU and kernel build have it, Linux granted this process the tile
-// state, and it is switched on (SLUICE_CPU_AMX != "0" at first use, or linear_set_amx).
-std::atomic<int> g_amx{-1};  // -1: not decided yet
-
-bool amx_permitted() {
-#if SLUICE_HAVE_AMX
-  // Linux hands out the 8 KiB tile state only on request (arch_prctl ARCH_REQ_XCOMP_PERM), once
-  // per process; every thread of the process may then use the tiles.
-  static const bool ok = [] {
-    constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
-  }();
-  return ok;
-#else
-  return false;
-#endif
-}
-
-bool amx_on() {
-  int v = g_amx.load(std::memory_order_relaxed);
-  if (v < 0) {
-    const char* env = std::getenv("SLUICE_CPU_AMX");
-    v = amx_permitted() && !(env && std::strcmp(env, "0") == 0) ? 1 : 0;
-    g_amx.store(v, std::memory_order_relaxed);
-  }
-  return v == 1;
-}
-
 #if SLUICE_HAVE_AMX
 constexpr int kTileRows = 16;  // rows of x per A tile, k pairs per B tile
 constexpr int kTileK = 32;     // bf16 of K per A tile row (64 bytes)
-
-struct TileConfig {
-  uint8_t palette = 1, start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-// Tiles 0-3: C (fp32, 16 x 16); 4-5: A (16 rows x 32 bf16); 6-7: B (16 k pairs x 16 columns x 2).
-// Every tile is 16 rows of 64 bytes. Loaded per worker, released when it is done.
-struct AmxTiles {
-  AmxTiles() {
-    TileConfig c;
-    for (int t = 0; t < 8; ++t) {
-      c.rows[t] = kTileRows;
-      c.colsb[t] = 64;
-    }
-    _tile_loadconfig(&c);
-  }
-  ~AmxTiles() { _tile_release(); }
-  AmxTiles(const AmxTiles&) = delete;
-  AmxTiles& operator=(const AmxTiles&) = delete;
-};
+using AmxTiles = sluice_amx::Tiles;  // tiles 0-3: C; 4-5: A (x rows); 6-7: B (packed weight)
 
 // c[16 r + i][16 v + j] (ld 32 floats) = sum over K of a_r[i][:] * column (16 ct[v] + j) of the
 // group at w (gw columns wide), for kR row tiles and kV column tiles.
@@ -332,7 +274,7 @@ void run(const at::Tensor& x, const at::Tensor& packed, int64_t n, int64_t k, co
   const bf16* wp = reinterpret_cast<const bf16*>(packed.data_ptr<c10::BFloat16>());
   bf16* yp = reinterpret_cast<bf16*>(y.data_ptr<c10::BFloat16>());
 #if SLUICE_HAVE_AMX
-  const bool amx = k % kTileK == 0 && amx_on();
+  const bool amx = k % kTileK == 0 && sluice_amx::on();
   std::optional<AmxRows> amx_rows;
   if (amx) amx_rows.emplace(xp, ldx, m, k);
 #endif
@@ -398,12 +340,8 @@ void run(const at::Tensor& x, const at::Tensor& packed, int64_t n, int64_t k, co
 }
 
 struct Avx512 {
-  static bool set_amx(bool enable) {
-    const bool on = enable && amx_permitted();
-    g_amx.store(on ? 1 : 0, std::memory_order_relaxed);
-    return on;
-  }
-  static bool amx_enabled() { return amx_on(); }
+  static bool set_amx(bool enable) { return sluice_amx::set(enable); }
+  static bool amx_enabled() { return sluice_amx::on(); }
   template <bool kSiluMul>
   static void run(const at::Tensor& x, const at::Tensor& packed, int64_t n, int64_t k, const float* bias, at::Tensor& y) {
     ::run<kSiluMul>(x, packed, n, k, bias, y);

@@ -26,6 +26,14 @@
 //      undone on output); float32 V rows are used in place with plain FMAs.
 // bfloat16 QK^T and PV use `vdpbf16ps` (bf16 products, float32 sums; the probabilities are
 // rounded to bf16 for PV, as torch's CPU flash attention does); float32 runs in float32 FMAs.
+//
+// On CPUs with AMX (amx.h) the bfloat16 products run on tiles instead, for every row of every
+// item (so a row's bits do not depend on the item it falls in): the transposed K tiles above are
+// B tiles as they stand (16 d pairs x 16 keys), query rows A tiles, and a kv head's scores for 16
+// rows at a time land in a float32 buffer the softmax reads; for PV the probabilities (bf16 key
+// pairs) are A tiles and the interleaved V rows B tiles (16 key pairs x 16 dims), and the chunk's
+// products are added to the rescaled accumulators after. Rows past a kv head's last are computed
+// on whatever the buffers hold there and dropped.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -34,6 +42,7 @@
 
 #include <immintrin.h>
 
+#include "amx.h"
 #include "attention_common.h"
 #include "ops.h"
 #include "simd.h"
@@ -45,6 +54,8 @@
 #include <cstring>
 #include <limits>
 #include <memory>
+#include <optional>
+#include <type_traits>
 #include <vector>
 
 #if !(defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512BF16__))
@@ -151,11 +162,14 @@ struct Ops<bf16, D> {
 
   static constexpr int kExpDegree = 5;   // the probabilities are rounded to bf16 anyway
 
+  // +16 rows: an AMX tile load of 16 rows may start at any row below kMaxRows.
   struct Buffers {
-    alignas(64) uint32_t q[kMaxRows][kPairs];        // query rows as bf16 pairs
-    alignas(64) __m512i kt[kTiles][kPairs];          // [key tile][d pair]: that pair of 16 keys
-    alignas(64) __m512i vp[kChunk / 2][kVecs];       // [key pair][vector]: interleaved V rows
-    alignas(64) uint32_t p[kMaxRows][kChunk / 2];    // probabilities as bf16 (key j, key j+1) pairs
+    alignas(64) uint32_t q[kMaxRows + 16][kPairs];        // query rows as bf16 pairs
+    alignas(64) __m512i kt[kTiles][kPairs];               // [key tile][d pair]: that pair of 16 keys
+    alignas(64) __m512i vp[kChunk / 2][kVecs];            // [key pair][vector]: interleaved V rows
+    alignas(64) uint32_t p[kMaxRows + 16][kChunk / 2];    // probabilities as bf16 (key j, key j+1) pairs
+    alignas(64) float s[kMaxRows + 16][kChunk];           // AMX: scores of the chunk
+    alignas(64) float pv[16][D];                          // AMX: a row tile's P V of the chunk
   };
 
   static void load_q(Buffers& b, int r, const bf16* src) { std::memcpy(b.q[r], src, D * sizeof(bf16)); }
@@ -190,6 +204,84 @@ struct Ops<bf16, D> {
     }
   }
 
+#if SLUICE_HAVE_AMX
+  // s[r][key] for rows [begin, end) (in tiles of 16 from begin) against the chunk's 64 keys.
+  // Tiles: C 0-3 (one per key tile), A 4 (query rows), B 6-7 (transposed keys).
+  // A prefetch tick after each product (the tiles run while the prefetches issue).
+  static constexpr int kAmxScoreTicks = D / 32 * 4;                   // per row tile
+  static constexpr int kAmxPvTicks = kVecs / 4 * (kChunk / 32) * 4;   // per row tile
+
+  template <typename Tick>
+  static void scores_amx(Buffers& b, int begin, int end, Tick&& tick) {
+    for (int r0 = begin; r0 < end; r0 += 16) {
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+      for (int st = 0; st < D / 32; ++st) {
+        _tile_loadd(4, &b.q[r0][16 * st], kPairs * 4);
+        _tile_loadd(6, &b.kt[0][16 * st], 64);
+        _tile_loadd(7, &b.kt[1][16 * st], 64);
+        _tile_dpbf16ps(0, 4, 6);
+        tick();
+        _tile_dpbf16ps(1, 4, 7);
+        tick();
+        _tile_loadd(6, &b.kt[2][16 * st], 64);
+        _tile_loadd(7, &b.kt[3][16 * st], 64);
+        _tile_dpbf16ps(2, 4, 6);
+        tick();
+        _tile_dpbf16ps(3, 4, 7);
+        tick();
+      }
+      _tile_stored(0, &b.s[r0][0], kChunk * 4);
+      _tile_stored(1, &b.s[r0][16], kChunk * 4);
+      _tile_stored(2, &b.s[r0][32], kChunk * 4);
+      _tile_stored(3, &b.s[r0][48], kChunk * 4);
+    }
+  }
+
+  // acc[r] = acc[r] * alpha[r] + sum over the chunk's keys of p[r][j] v_j, r in [begin, end), all
+  // 64 keys (the probabilities of keys past the chunk's end are 0, their V pairs zeroed by load_v).
+  // Tiles: C 0-3 (16 accumulator columns each), A 4 (probabilities), B 6-7 (V pairs).
+  template <typename Tick>
+  static void accumulate_amx(Buffers& b, int begin, int end, const float* alpha, float (*acc)[D], Tick&& tick) {
+    for (int r0 = begin; r0 < end; r0 += 16) {
+      for (int c0 = 0; c0 < kVecs; c0 += 4) {  // output columns in passes of 4 tiles (D = 128: two)
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int st = 0; st < kChunk / 32; ++st) {
+          _tile_loadd(4, &b.p[r0][16 * st], (kChunk / 2) * 4);
+          _tile_loadd(6, &b.vp[16 * st][c0 + 0], kVecs * 64);
+          _tile_loadd(7, &b.vp[16 * st][c0 + 1], kVecs * 64);
+          _tile_dpbf16ps(0, 4, 6);
+          tick();
+          _tile_dpbf16ps(1, 4, 7);
+          tick();
+          _tile_loadd(6, &b.vp[16 * st][c0 + 2], kVecs * 64);
+          _tile_loadd(7, &b.vp[16 * st][c0 + 3], kVecs * 64);
+          _tile_dpbf16ps(2, 4, 6);
+          tick();
+          _tile_dpbf16ps(3, 4, 7);
+          tick();
+        }
+        _tile_stored(0, &b.pv[0][16 * c0], D * 4);
+        _tile_stored(1, &b.pv[0][16 * c0 + 16], D * 4);
+        _tile_stored(2, &b.pv[0][16 * c0 + 32], D * 4);
+        _tile_stored(3, &b.pv[0][16 * c0 + 48], D * 4);
+      }
+      const int rows = std::min(16, end - r0);
+      for (int i = 0; i < rows; ++i) {
+        const __m512 scale = _mm512_set1_ps(alpha[r0 + i]);
+        float* a = acc[r0 + i];
+        for (int c = 0; c < kVecs; ++c)
+          _mm512_store_ps(a + 16 * c, _mm512_fmadd_ps(_mm512_load_ps(a + 16 * c), scale, _mm512_load_ps(&b.pv[i][16 * c])));
+      }
+    }
+  }
+#endif
+
   static void store_p(Buffers& b, int r, const __m512 (&p)[kTiles]) {
     for (int t = 0; t < kTiles; t += 2)
       _mm512_store_si512(b.p[r] + 8 * t, (__m512i)_mm512_cvtne2ps_pbh(p[t + 1], p[t]));
@@ -204,6 +296,9 @@ struct Ops<bf16, D> {
         b.vp[j / 2][2 * h + 1] = _mm512_unpackhi_epi16(a, c);
       }
     }
+    // AMX multiplies all 32 pairs (by probability 0 past n): no stale NaN may sit there.
+    for (int jp = (n + 1) / 2; jp < kChunk / 2; ++jp)
+      for (int c = 0; c < kVecs; ++c) b.vp[jp][c] = _mm512_setzero_si512();
   }
 
   // acc[r] = acc[r] * alpha[r] + sum_j p[r][j] v_j over the first n keys of the chunk, r in [begin, end).
@@ -344,6 +439,12 @@ struct ItemRunner {
   const T* krows[kChunk];   // the same, at the head being computed; zero rows past the chunk's end
   const T* vrows[kChunk];
   const float score_scale;  // softmax scale * log2(e): scores in base 2
+#if SLUICE_HAVE_AMX
+  static constexpr bool kAmxType = std::is_same_v<T, bf16>;  // the float32 cache stays on FMAs
+#else
+  static constexpr bool kAmxType = false;
+#endif
+  bool amx = false;  // this call's products on AMX tiles (set per run: the switch may change)
 
   explicit ItemRunner(float scale) : score_scale(scale * kLog2e) {}
 
@@ -367,13 +468,23 @@ struct ItemRunner {
     std::memset(acc, 0, sizeof(float) * D * rows);
     std::fill(m + rows, m + kMaxRows + 4, kNegInf);
 
+#if SLUICE_HAVE_AMX
+    amx = kAmxType && sluice_amx::on();
+    std::optional<sluice_amx::Tiles> tiles;
+    if (amx) tiles.emplace(std::min(16, per_head));  // a kv head's rows: 3 for a decode of SmolLM2
+#endif
     const int32_t* table = pb.block_tables + it.seq * pb.table_width;
     const int32_t num_keys = context + it.q_end;  // the last row's causal horizon
     const T* zero = reinterpret_cast<const T*>(kZeroRow);
     const bool whole_rows = heads == pb.num_kv_heads;
     // calls of prefetch_tick() per full chunk: scores() per 4-row block, accumulate() per PV block
-    const int ticks = heads * ((per_head + 3) / 4 * O::kScoreSteps +
-                               (per_head + O::kPvRows - 1) / O::kPvRows * O::accumulate_steps(kChunk));
+    int ticks = heads * ((per_head + 3) / 4 * O::kScoreSteps +
+                         (per_head + O::kPvRows - 1) / O::kPvRows * O::accumulate_steps(kChunk));
+    if constexpr (kAmxType) {
+#if SLUICE_HAVE_AMX
+      if (amx) ticks = heads * ((per_head + 15) / 16 * (O::kAmxScoreTicks + O::kAmxPvTicks) + (per_head + 3) / 4);
+#endif
+    }
     for (int32_t start = 0; start < num_keys; start += kChunk) {
       const int n = std::min<int32_t>(kChunk, num_keys - start);
       if (whole_rows && start == 0) touch(pb, table, start, n, k_cache, v_cache);
@@ -389,8 +500,21 @@ struct ItemRunner {
         }
         const int r0 = hh * per_head, r1 = r0 + per_head;
         O::load_k(b, krows);
+        if constexpr (kAmxType) {
+#if SLUICE_HAVE_AMX
+          if (amx) O::scores_amx(b, r0, r1, [this] { prefetch_tick(); });
+#endif
+        }
         for_row_blocks<4>(r0, r1, [&]<int N>(int rb) { scores_softmax<N>(rb, start, n); });
         O::load_v(b, vrows, n);
+        if constexpr (kAmxType) {
+#if SLUICE_HAVE_AMX
+          if (amx) {
+            O::accumulate_amx(b, r0, r1, alpha, acc, [this] { prefetch_tick(); });
+            continue;
+          }
+#endif
+        }
         O::accumulate(b, vrows, n, r0, r1, alpha, acc, [this] { prefetch_tick(); });
       }
       prefetch_rest();
@@ -468,7 +592,16 @@ struct ItemRunner {
   template <int N>
   void scores_softmax(int rb, int32_t start, int n) {
     __m512 a[N][kTiles];
-    O::template scores<N>(b, rb, a, [this] { prefetch_tick(); });
+    bool computed = false;
+    if constexpr (kAmxType) {
+      if (amx) {  // scores_amx has them
+        for (int i = 0; i < N; ++i)
+          for (int t = 0; t < kTiles; ++t) a[i][t] = _mm512_load_ps(&b.s[rb + i][16 * t]);
+        prefetch_tick();
+        computed = true;
+      }
+    }
+    if (!computed) O::template scores<N>(b, rb, a, [this] { prefetch_tick(); });
     __mmask16 keep[N][kTiles];
     __m512 mx[4];
     for (int i = 0; i < N; ++i) {
