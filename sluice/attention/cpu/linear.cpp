@@ -145,9 +145,19 @@ using AmxTiles = sluice_amx::Tiles;  // tiles 0-3: C; 4-5: A (x rows); 6-7: B (p
 
 // c[16 r + i][16 v + j] (ld 32 floats) = sum over K of a_r[i][:] * column (16 ct[v] + j) of the
 // group at w (gw columns wide), for kR row tiles and kV column tiles.
+// Each k step also prefetches `pf_lines` cache lines at pf (the next group's weights) into L2.
+struct Prefetch {
+  const char* next = nullptr;
+  const char* end = nullptr;
+  int64_t per_step = 0;
+  void step() {
+    for (int64_t i = 0; i < per_step && next < end; ++i, next += 64) _mm_prefetch(next, _MM_HINT_T1);
+  }
+};
+
 template <int kR, int kV>
 inline void amx_block(const bf16* const (&a)[2], const int64_t (&lda_bytes)[2], const bf16* w, int64_t gw, int64_t k,
-                      const int (&ct)[2], float* c) {
+                      const int (&ct)[2], float* c, Prefetch& pf) {
   _tile_zero(0);
   if constexpr (kV > 1) _tile_zero(1);
   if constexpr (kR > 1) {
@@ -167,6 +177,7 @@ inline void amx_block(const bf16* const (&a)[2], const int64_t (&lda_bytes)[2], 
       _tile_dpbf16ps(2, 5, 6);
       if constexpr (kV > 1) _tile_dpbf16ps(3, 5, 7);
     }
+    pf.step();
   }
   _tile_stored(0, c, 128);
   if constexpr (kV > 1) _tile_stored(1, c + 16, 128);
@@ -195,10 +206,13 @@ struct AmxRows {
   int64_t ld_bytes(int64_t t) const { return (padded(t) ? k : ldx) * static_cast<int64_t>(sizeof(bf16)); }
 };
 
-// Rows [r0, r0 + rows) (r0 a multiple of 16) of the group at w, gw columns wide.
+// Rows [r0, r0 + rows) (r0 a multiple of 16) of the group at w, gw columns wide; meanwhile the
+// next_bytes that follow the group's weights (the next group this thread computes; 0: none) are
+// prefetched into L2, spread over the group's k steps (the hardware prefetchers, left to
+// themselves, streamed a decode step's weights at ~2/3 of the read bandwidth).
 template <bool kSiluMul>
 void amx_group(const AmxRows& xs, int64_t r0, int64_t rows, const bf16* w, int64_t gw, int64_t k, const float* bias,
-               bf16* y, int64_t ldy) {
+               bf16* y, int64_t ldy, int64_t next_bytes) {
   alignas(64) float c[32 * 32];
   const int tiles = static_cast<int>(gw / 16);
   // Column-tile passes: plain, (0, 1), (2, 3) or a lone last tile; fused, gate tile j with up
@@ -210,6 +224,13 @@ void amx_group(const AmxRows& xs, int64_t r0, int64_t rows, const bf16* w, int64
     for (int j = 0; j < tiles; j += 2) passes[npass][0] = j, passes[npass][1] = j + 1 < tiles ? j + 1 : -1, ++npass;
   }
   const int64_t t_end = (r0 + rows + kTileRows - 1) / kTileRows;
+  Prefetch pf;
+  if (next_bytes > 0) {
+    const int64_t steps = npass * ((t_end - r0 / kTileRows + 1) / 2) * (k / kTileK);
+    pf.next = reinterpret_cast<const char*>(w + gw * k);
+    pf.end = pf.next + next_bytes;
+    pf.per_step = (next_bytes / 64 + steps - 1) / steps;
+  }
   for (int p = 0; p < npass; ++p) {
     const int ct[2] = {passes[p][0], passes[p][1]};
     const bool two_cols = ct[1] >= 0;
@@ -218,11 +239,11 @@ void amx_group(const AmxRows& xs, int64_t r0, int64_t rows, const bf16* w, int64
       const bf16* a[2] = {xs.tile(t), two_rows ? xs.tile(t + 1) : nullptr};
       const int64_t lda[2] = {xs.ld_bytes(t), two_rows ? xs.ld_bytes(t + 1) : 0};
       if (two_rows) {
-        if (two_cols) amx_block<2, 2>(a, lda, w, gw, k, ct, c);
-        else amx_block<2, 1>(a, lda, w, gw, k, ct, c);
+        if (two_cols) amx_block<2, 2>(a, lda, w, gw, k, ct, c, pf);
+        else amx_block<2, 1>(a, lda, w, gw, k, ct, c, pf);
       } else {
-        if (two_cols) amx_block<1, 2>(a, lda, w, gw, k, ct, c);
-        else amx_block<1, 1>(a, lda, w, gw, k, ct, c);
+        if (two_cols) amx_block<1, 2>(a, lda, w, gw, k, ct, c, pf);
+        else amx_block<1, 1>(a, lda, w, gw, k, ct, c, pf);
       }
       const int64_t row0 = t * kTileRows, nrows = std::min<int64_t>(two_rows ? 32 : 16, r0 + rows - row0);
       for (int64_t i = 0; i < nrows; ++i) {
@@ -278,15 +299,17 @@ void run(const at::Tensor& x, const at::Tensor& packed, int64_t n, int64_t k, co
   std::optional<AmxRows> amx_rows;
   if (amx) amx_rows.emplace(xp, ldx, m, k);
 #endif
-  // Rows [r0, r0 + rows) of group g.
-  auto group = [&](int64_t g, int64_t r0, int64_t rows) {
+  // Rows [r0, r0 + rows) of group g; the thread's next group is g + 1 if g + 1 < g_end.
+  auto group = [&](int64_t g, int64_t r0, int64_t rows, int64_t g_end) {
     const int64_t col = g * kGroupCols;
     const int vecs = static_cast<int>(std::min<int64_t>(kGroupCols, n - col) / 16);
     const bf16* wg = wp + col * k;
     const float* bg = bias ? bias + col : nullptr;
 #if SLUICE_HAVE_AMX
     if (amx) {
-      amx_group<kSiluMul>(*amx_rows, r0, rows, wg, 16 * vecs, k, bg, yp + r0 * ldy + (kSiluMul ? col / 2 : col), ldy);
+      const int64_t next_bytes = g + 1 < g_end ? std::min<int64_t>(kGroupCols, n - col - kGroupCols) * k * 2 : 0;
+      amx_group<kSiluMul>(*amx_rows, r0, rows, wg, 16 * vecs, k, bg, yp + r0 * ldy + (kSiluMul ? col / 2 : col), ldy,
+                          next_bytes);
       return;
     }
 #endif
@@ -314,14 +337,21 @@ void run(const at::Tensor& x, const at::Tensor& packed, int64_t n, int64_t k, co
       std::optional<AmxTiles> tiles;
       if (amx) tiles.emplace();
 #endif
-      for (int64_t g = g0; g < g1; ++g) group(g, 0, m);
+      for (int64_t g = g0; g < g1; ++g) group(g, 0, m, g1);
     });
     return;
   }
   const int threads = std::max(1, at::get_num_threads());
   const int64_t run_len = std::max<int64_t>(1, groups / (8 * threads));
   const int64_t runs = (groups + run_len - 1) / run_len;
-  const int64_t items = (m + kRowBlock - 1) / kRowBlock * runs;
+  int64_t row_block = kRowBlock;
+#if SLUICE_HAVE_AMX
+  // On AMX a group's weights are the slower operand to fetch (a 96-row block's products take
+  // ~10 us): deal runs of groups over all rows, each weight read once (docs/measured/s44/:
+  // 512 rows, 30 layers' projections 81 -> 72 ms; as fast as splitting the groups up front).
+  if (amx) row_block = m;
+#endif
+  const int64_t items = (m + row_block - 1) / row_block * runs;
   std::atomic<int64_t> next_item{0};
   auto work = [&](int64_t, int64_t) {
 #if SLUICE_HAVE_AMX
@@ -329,9 +359,9 @@ void run(const at::Tensor& x, const at::Tensor& packed, int64_t n, int64_t k, co
     if (amx) tiles.emplace();
 #endif
     for (int64_t it = next_item.fetch_add(1); it < items; it = next_item.fetch_add(1)) {
-      const int64_t r0 = it / runs * kRowBlock, rows = std::min<int64_t>(kRowBlock, m - r0);
+      const int64_t r0 = it / runs * row_block, rows = std::min<int64_t>(row_block, m - r0);
       const int64_t g0 = it % runs * run_len, g1 = std::min(groups, g0 + run_len);
-      for (int64_t g = g0; g < g1; ++g) group(g, r0, rows);
+      for (int64_t g = g0; g < g1; ++g) group(g, r0, rows, g1);
     }
   };
   const int64_t workers = std::min<int64_t>(threads, items);
