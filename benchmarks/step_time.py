@@ -59,9 +59,11 @@ def main() -> None:
         for b in args.batches:
             g = torch.Generator().manual_seed(b * 7919 + ctx)
             # Early requests decode while later ones prefill: leave room for those tokens, so that
-            # all b requests are still decoding in the timed steps (checked below).
+            # all b requests are still decoding in the timed steps (checked below). The prefill
+            # takes up to one step per token budget, and up to one per prompt (a step that
+            # completes a prompt closes to further prompt chunks: SchedulerConfig.close_step_tokens).
             budget = eng.config.scheduler.max_num_batched_tokens
-            max_tokens = args.steps + 3 + -(-b * ctx // budget) + 2
+            max_tokens = args.steps + 3 + -(-b * ctx // budget) + b + 2
             for i in range(b):
                 prompt = torch.randint(100, 40000, (ctx,), generator=g).tolist()
                 eng.add_request(f"b{b}c{ctx}r{i}", prompt,

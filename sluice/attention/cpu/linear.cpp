@@ -143,9 +143,7 @@ constexpr int kTileRows = 16;  // rows of x per A tile, k pairs per B tile
 constexpr int kTileK = 32;     // bf16 of K per A tile row (64 bytes)
 using AmxTiles = sluice_amx::Tiles;  // tiles 0-3: C; 4-5: A (x rows); 6-7: B (packed weight)
 
-// c[16 r + i][16 v + j] (ld 32 floats) = sum over K of a_r[i][:] * column (16 ct[v] + j) of the
-// group at w (gw columns wide), for kR row tiles and kV column tiles.
-// Each k step also prefetches `pf_lines` cache lines at pf (the next group's weights) into L2.
+// Cache lines to prefetch into L2 (the next group's weights), per_step of them at each k step.
 struct Prefetch {
   const char* next = nullptr;
   const char* end = nullptr;
@@ -155,6 +153,8 @@ struct Prefetch {
   }
 };
 
+// c[16 r + i][16 v + j] (ld 32 floats) = sum over K of a_r[i][:] * column (16 ct[v] + j) of the
+// group at w (gw columns wide), for kR row tiles and kV column tiles; pf advances once per k step.
 template <int kR, int kV>
 inline void amx_block(const bf16* const (&a)[2], const int64_t (&lda_bytes)[2], const bf16* w, int64_t gw, int64_t k,
                       const int (&ct)[2], float* c, Prefetch& pf) {

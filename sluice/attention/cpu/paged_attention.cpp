@@ -205,12 +205,12 @@ struct Ops<bf16, D> {
   }
 
 #if SLUICE_HAVE_AMX
-  // s[r][key] for rows [begin, end) (in tiles of 16 from begin) against the chunk's 64 keys.
-  // Tiles: C 0-3 (one per key tile), A 4 (query rows), B 6-7 (transposed keys).
-  // A prefetch tick after each product (the tiles run while the prefetches issue).
+  // A prefetch tick after each tile product (the tiles run while the prefetches issue).
   static constexpr int kAmxScoreTicks = D / 32 * 4;                   // per row tile
   static constexpr int kAmxPvTicks = kVecs / 4 * (kChunk / 32) * 4;   // per row tile
 
+  // s[r][key] for rows [begin, end) (in tiles of 16 from begin) against the chunk's 64 keys.
+  // Tiles: C 0-3 (one per key tile), A 4 (query rows), B 6-7 (transposed keys).
   template <typename Tick>
   static void scores_amx(Buffers& b, int begin, int end, Tick&& tick) {
     for (int r0 = begin; r0 < end; r0 += 16) {
