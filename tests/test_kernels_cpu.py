@@ -324,9 +324,9 @@ def test_amx_and_vector_paths_agree_to_rounding(silu_mul):
     x = torch.randn(70, k, generator=g).bfloat16()
     was = torch.ops.sluice.linear_amx_enabled()
     try:
-        torch.ops.sluice.linear_set_amx(True)
+        assert torch.ops.sluice.linear_set_amx(True)
         tiles = layer(x).float()
-        torch.ops.sluice.linear_set_amx(False)
+        assert not torch.ops.sluice.linear_set_amx(False)
         vector = layer(x).float()
     finally:
         torch.ops.sluice.linear_set_amx(was)
