@@ -90,6 +90,21 @@ inline __m512 silu_mul(__m512 g, __m512 u) {
 }
 
 
+// The epilogue both paths share: one output vector of 16 columns from float32 sums, bias added,
+// rounded once; fused, gate and up rounded to bf16 before silu(gate) * up.
+inline void store_plain(bf16* dst, __m512 v, const float* bias) {
+  if (bias) v = _mm512_add_ps(v, _mm512_loadu_ps(bias));
+  store_bf16(dst, v);
+}
+
+inline void store_silu_mul(bf16* dst, __m512 g, __m512 u, const float* gate_bias, const float* up_bias) {
+  if (gate_bias) {
+    g = _mm512_add_ps(g, _mm512_loadu_ps(gate_bias));
+    u = _mm512_add_ps(u, _mm512_loadu_ps(up_bias));
+  }
+  store_bf16(dst, silu_mul(round_bf16(g), round_bf16(u)));
+}
+
 // Rows [r0, r0 + kRows) of one group: plain projection (+ bias) or fused silu(gate) * up.
 template <int kRows, int kVecs, bool kSiluMul>
 inline void group_tile(const bf16* x, int64_t ldx, const bf16* w, int64_t k_pairs, const float* bias, bf16* y,
@@ -99,20 +114,11 @@ inline void group_tile(const bf16* x, int64_t ldx, const bf16* w, int64_t k_pair
   for (int r = 0; r < kRows; ++r) {
     if constexpr (kSiluMul) {
       static_assert(kVecs % 2 == 0);
-      for (int j = 0; j < kVecs / 2; ++j) {
-        __m512 g = acc[r][j], u = acc[r][j + kVecs / 2];
-        if (bias) {
-          g = _mm512_add_ps(g, _mm512_loadu_ps(bias + 16 * j));
-          u = _mm512_add_ps(u, _mm512_loadu_ps(bias + 16 * (j + kVecs / 2)));
-        }
-        store_bf16(y + r * ldy + 16 * j, silu_mul(round_bf16(g), round_bf16(u)));
-      }
+      for (int j = 0; j < kVecs / 2; ++j)
+        store_silu_mul(y + r * ldy + 16 * j, acc[r][j], acc[r][j + kVecs / 2], bias ? bias + 16 * j : nullptr,
+                       bias ? bias + 16 * (j + kVecs / 2) : nullptr);
     } else {
-      for (int j = 0; j < kVecs; ++j) {
-        __m512 v = acc[r][j];
-        if (bias) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + 16 * j));
-        store_bf16(y + r * ldy + 16 * j, v);
-      }
+      for (int j = 0; j < kVecs; ++j) store_plain(y + r * ldy + 16 * j, acc[r][j], bias ? bias + 16 * j : nullptr);
     }
   }
 }
@@ -188,21 +194,25 @@ inline void amx_block(const bf16* const (&a)[2], const int64_t (&lda_bytes)[2], 
 }
 
 // x's rows as A tiles: row tile t starts at x + 16 t rows, except a last partial tile, which reads
-// a zero-padded copy (built once per call) so that no tile load runs past x.
+// a copy of its rows (made once per call, into the calling thread's buffer) so that no tile load
+// runs past x. The copy's other rows hold whatever the buffer held: each output row depends on its
+// own A row only, and the rows past m are dropped.
 struct AmxRows {
   const bf16* x;
   int64_t ldx, m, k;
-  std::vector<bf16> pad;  // 16 x k, the rows of the last partial tile then zeros
+  const bf16* pad = nullptr;  // 16 x k
 
   AmxRows(const bf16* x_, int64_t ldx_, int64_t m_, int64_t k_) : x(x_), ldx(ldx_), m(m_), k(k_) {
     const int64_t rem = m % kTileRows;
     if (rem) {
-      pad.assign(kTileRows * k, bf16{});
-      for (int64_t r = 0; r < rem; ++r) std::memcpy(&pad[r * k], x + (m - rem + r) * ldx, k * sizeof(bf16));
+      static thread_local std::vector<bf16> buffer;  // kept between calls: no allocation per layer
+      if (static_cast<int64_t>(buffer.size()) < kTileRows * k) buffer.resize(kTileRows * k);
+      for (int64_t r = 0; r < rem; ++r) std::memcpy(&buffer[r * k], x + (m - rem + r) * ldx, k * sizeof(bf16));
+      pad = buffer.data();
     }
   }
   bool padded(int64_t t) const { return (t + 1) * kTileRows > m; }
-  const bf16* tile(int64_t t) const { return padded(t) ? pad.data() : x + t * kTileRows * ldx; }
+  const bf16* tile(int64_t t) const { return padded(t) ? pad : x + t * kTileRows * ldx; }
   int64_t ld_bytes(int64_t t) const { return (padded(t) ? k : ldx) * static_cast<int64_t>(sizeof(bf16)); }
 };
 
@@ -250,18 +260,11 @@ void amx_group(const AmxRows& xs, int64_t r0, int64_t rows, const bf16* w, int64
         const float* ci = c + i * 32;
         bf16* yi = y + (row0 - r0 + i) * ldy;
         if constexpr (kSiluMul) {
-          __m512 g = _mm512_load_ps(ci), u = _mm512_load_ps(ci + 16);
-          if (bias) {
-            g = _mm512_add_ps(g, _mm512_loadu_ps(bias + 16 * ct[0]));
-            u = _mm512_add_ps(u, _mm512_loadu_ps(bias + 16 * ct[1]));
-          }
-          store_bf16(yi + 16 * ct[0], silu_mul(round_bf16(g), round_bf16(u)));
+          store_silu_mul(yi + 16 * ct[0], _mm512_load_ps(ci), _mm512_load_ps(ci + 16),
+                         bias ? bias + 16 * ct[0] : nullptr, bias ? bias + 16 * ct[1] : nullptr);
         } else {
-          for (int v = 0; v < (two_cols ? 2 : 1); ++v) {
-            __m512 acc = _mm512_load_ps(ci + 16 * v);
-            if (bias) acc = _mm512_add_ps(acc, _mm512_loadu_ps(bias + 16 * ct[v]));
-            store_bf16(yi + 16 * ct[v], acc);
-          }
+          for (int v = 0; v < (two_cols ? 2 : 1); ++v)
+            store_plain(yi + 16 * ct[v], _mm512_load_ps(ci + 16 * v), bias ? bias + 16 * ct[v] : nullptr);
         }
       }
     }
