@@ -110,6 +110,30 @@ def test_a_query_row_does_not_depend_on_the_rows_beside_it(cpu, others, dtype):
     assert torch.equal(out1, out7[keep])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_a_prompt_chunk_does_not_depend_on_the_chunks_beside_it(cpu, dtype):
+    """A prompt chunk is split into query tiles whose size follows the step's other prompt work
+    (larger beside a long chunk, on AMX: attention_common.h); its rows must come out the same to
+    the bit either way, or a call's output would depend on what else its steps carried."""
+    g = torch.Generator().manual_seed(11)
+    cases = [SeqCase(500, 96), SeqCase(300, 512)]
+    num_blocks = sum(-(-(c.context_len + c.query_len) // 16) for c in cases) + 5
+    meta2, _ = build_metadata(cases, 16, num_blocks, g)
+    t2 = sum(c.query_len for c in cases)
+    caches = [torch.randn(num_blocks, 16, 3, 64, generator=g).to(dtype) for _ in range(2)]
+    q, k, v = (torch.randn(t2, h, 64, generator=g).to(dtype) for h in (9, 3, 3))
+    keep = torch.arange(t2) < 96   # the same step with the first chunk alone
+    meta1 = AttentionMetadata(slot_mapping=meta2.slot_mapping[keep], query_start_loc=meta2.query_start_loc[:2].clone(),
+                              seq_lens=meta2.seq_lens[:1].clone(), block_tables=meta2.block_tables[:1],
+                              num_decodes=0, max_query_len=96, max_seq_len=596, query_lens_list=[96],
+                              seq_lens_list=[596])
+    out2 = cpu.forward(q, k, v, *[c.clone() for c in caches], meta2, 0.125)
+    out1 = cpu.forward(q[keep], k[keep], v[keep], *[c.clone() for c in caches], meta1, 0.125)
+    assert torch.equal(out1, out2[keep])
+    want = TorchPagedAttention().forward(q, k, v, *[c.clone() for c in caches], meta2, 0.125)
+    torch.testing.assert_close(out2, want, **TOLERANCES[dtype])
+
+
 def _random_step(cases, num_heads, num_kv_heads, head_dim, block_size, dtype, seed):
     g = torch.Generator().manual_seed(seed)
     num_blocks = sum(-(-(c.context_len + c.query_len) // block_size) for c in cases) + 5

@@ -23,7 +23,15 @@ namespace sluice_attention {
 
 using sluice_simd::bf16;
 
-constexpr int kMaxRows = 96;   // query rows (token x head) per work item
+// Query rows (token x head) per work item: a prompt chunk is split into tiles of kTileRows, or,
+// where a kernel's runner asks for larger ones (Runner::tile_rows(): AMX), of up to kMaxRows as
+// long as the step still has about four items per thread. Each item loads and rearranges its
+// sequence's K/V anew, which larger tiles do less often: on AMX that rearranging was ~20% of a
+// prompt's attention (session 45: 512 tokens after 1,024, 2,018 -> 1,615 us a layer); the vector
+// kernels are bound by their products and gain nothing. A row's result does not depend on its
+// item's size. Short queries (decodes, verifications) of up to kTileRows rows cover all kv heads.
+constexpr int kMaxRows = 384;
+constexpr int kTileRows = 96;
 constexpr int kMaxHeadDim = 128;
 // Below this much work per thread (query rows x keys; ~4 ns each) a step runs on fewer threads:
 // waking a thread costs more than it saves, and far more when the cores are oversubscribed.
@@ -66,22 +74,31 @@ struct Plan {
 
 // Threads from the step's total work (see kMinCostPerThread), then items of the two shapes
 // described at the top of paged_attention.cpp; decodes cover all kv heads unless that leaves threads idle.
-inline Plan plan_work(const Problem& pb, int64_t num_seqs, int max_threads) {
+inline Plan plan_work(const Problem& pb, int64_t num_seqs, int max_threads, int max_tile_rows = kTileRows) {
   int64_t total = 0, whole = 0;
   for (int32_t i = 0; i < num_seqs; ++i) {
     const int64_t rows = (pb.query_start[i + 1] - pb.query_start[i]) * pb.num_heads;
     total += rows * pb.seq_lens[i];
-    whole += rows <= kMaxRows;
+    whole += rows <= kTileRows;
   }
   Plan plan;
   plan.threads = static_cast<int>(std::clamp<int64_t>(total / kMinCostPerThread, 1, max_threads));
   const bool group_heads = plan.threads == 1 || whole >= 2 * plan.threads;
-  const int32_t tile = static_cast<int32_t>(std::max<int64_t>(1, kMaxRows / pb.group));
   const int32_t kv_heads = static_cast<int32_t>(pb.num_kv_heads);
+  // Query tokens per tile of a split sequence: kTileRows' worth, or more (up to max_tile_rows)
+  // while the split rows still make about four items per thread.
+  int64_t split_rows = 0;
+  for (int32_t i = 0; i < num_seqs; ++i) {
+    const int64_t rows = (pb.query_start[i + 1] - pb.query_start[i]) * pb.num_heads;
+    if (!(group_heads && rows <= kTileRows)) split_rows += rows;
+  }
+  const int64_t wanted = (split_rows + 4 * plan.threads - 1) / (4 * plan.threads);
+  const int64_t tile_rows = std::clamp<int64_t>(wanted, kTileRows, std::min(max_tile_rows, kMaxRows));
+  const int32_t tile = static_cast<int32_t>(std::max<int64_t>(1, tile_rows / pb.group));
   for (int32_t i = 0; i < num_seqs; ++i) {
     const int32_t qlen = pb.query_start[i + 1] - pb.query_start[i];
     const int32_t context = pb.seq_lens[i] - qlen;
-    if (group_heads && qlen * pb.num_heads <= kMaxRows) {
+    if (group_heads && qlen * pb.num_heads <= kTileRows) {
       plan.items.push_back({i, 0, kv_heads, 0, qlen, static_cast<int64_t>(qlen) * pb.num_heads * (context + qlen)});
       continue;
     }
@@ -100,7 +117,7 @@ inline Plan plan_work(const Problem& pb, int64_t num_seqs, int max_threads) {
 template <template <typename, int> class Runner, typename T, int D>
 void run_attention(const Problem& pb, int64_t num_seqs, const T* q, const T* k_cache, const T* v_cache, T* out,
                    float scale) {
-  const Plan plan = plan_work(pb, num_seqs, at::get_num_threads());
+  const Plan plan = plan_work(pb, num_seqs, at::get_num_threads(), Runner<T, D>::tile_rows());
   std::atomic<size_t> next{0};
   auto work = [&](int64_t, int64_t) {
     // Each thread keeps its runner (~80-300 KB of buffers) between calls rather than allocating and

@@ -8,7 +8,7 @@
 // Work is split into items, run largest first by the threads pulling from an atomic counter:
 //   - a short query (a decode) covers all kv heads of its sequence, when there are enough such
 //     sequences to keep the threads busy: it then reads whole cache rows, in address order;
-//   - otherwise (sequence, kv head, tile of up to 96 / group query tokens).
+//   - otherwise (sequence, kv head, tile of query tokens: 96 / group, larger on AMX; attention_common.h).
 // While an item computes one 64-key chunk, the next chunk's K/V lines are prefetched into L2, a
 // few per iteration of the compute loops (otherwise a decode waits on memory: a blocking read
 // sweep per chunk took ~40% of a verification's time).
@@ -448,6 +448,14 @@ struct ItemRunner {
 
   explicit ItemRunner(float scale) : score_scale(scale * kLog2e) {}
 
+  // Larger prompt tiles on AMX only (attention_common.h: the vector products gain nothing).
+  static int tile_rows() {
+#if SLUICE_HAVE_AMX
+    if (kAmxType && sluice_amx::on()) return kMaxRows;
+#endif
+    return sluice_attention::kTileRows;
+  }
+
   void run(const Problem& pb, const WorkItem& it, const T* q, const T* k_cache, const T* v_cache, T* out) {
     const int g = static_cast<int>(pb.group);
     const int per_head = (it.q_end - it.q_begin) * g;
@@ -609,7 +617,7 @@ struct ItemRunner {
       const uint64_t bits = valid >= kChunk ? ~0ull : valid <= 0 ? 0 : (1ull << valid) - 1;
       for (int t = 0; t < kTiles; ++t) {
         keep[i][t] = static_cast<__mmask16>(bits >> (16 * t));
-        a[i][t] = _mm512_mask_mov_ps(_mm512_set1_ps(kNegInf), keep[i][t], a[i][t]);
+        if (~bits) a[i][t] = _mm512_mask_mov_ps(_mm512_set1_ps(kNegInf), keep[i][t], a[i][t]);  // not all visible
       }
       mx[i] = _mm512_max_ps(_mm512_max_ps(a[i][0], a[i][1]), _mm512_max_ps(a[i][2], a[i][3]));
     }

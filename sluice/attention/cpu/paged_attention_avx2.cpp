@@ -103,6 +103,7 @@ struct ItemRunner {
   } pf_cursor;
 
   explicit ItemRunner(float scale) : score_scale(scale * kLog2e) {}
+  static int tile_rows() { return sluice_attention::kTileRows; }  // bound by its products (attention_common.h)
 
   void run(const Problem& pb, const WorkItem& it, const T* qp, const T* k_cache, const T* v_cache, T* out) {
     const int g = static_cast<int>(pb.group);
