@@ -27,7 +27,7 @@ using sluice_simd::bf16;
 // where a kernel's runner asks for larger ones (Runner::tile_rows(): AMX), of up to kMaxRows as
 // long as the step still has about four items per thread. Each item loads and rearranges its
 // sequence's K/V anew, which larger tiles do less often: on AMX that rearranging was ~20% of a
-// prompt's attention (session 45: 512 tokens after 1,024, 2,018 -> 1,615 us a layer); the vector
+// prompt's attention (session 45: 512 tokens after 1,024, 2,018 -> 1,600-1,675 us a layer); the vector
 // kernels are bound by their products and gain nothing. A row's result does not depend on its
 // item's size. Short queries (decodes, verifications) of up to kTileRows rows cover all kv heads.
 constexpr int kMaxRows = 384;
@@ -120,7 +120,7 @@ void run_attention(const Problem& pb, int64_t num_seqs, const T* q, const T* k_c
   const Plan plan = plan_work(pb, num_seqs, at::get_num_threads(), Runner<T, D>::tile_rows());
   std::atomic<size_t> next{0};
   auto work = [&](int64_t, int64_t) {
-    // Each thread keeps its runner (~80-300 KB of buffers) between calls rather than allocating and
+    // Each thread keeps its runner (~0.3-0.5 MB of buffers, sized for kMaxRows) between calls rather than allocating and
     // faulting it in anew on every layer's call; the scale only changes between models.
     static thread_local std::unique_ptr<Runner<T, D>> runner;
     static thread_local float runner_scale = 0.0f;
