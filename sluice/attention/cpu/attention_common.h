@@ -75,11 +75,15 @@ struct Plan {
 // Threads from the step's total work (see kMinCostPerThread), then items of the two shapes
 // described at the top of paged_attention.cpp; decodes cover all kv heads unless that leaves threads idle.
 inline Plan plan_work(const Problem& pb, int64_t num_seqs, int max_threads, int max_tile_rows = kTileRows) {
-  int64_t total = 0, whole = 0;
+  int64_t total = 0, whole = 0, all_rows = 0, whole_rows = 0;
   for (int32_t i = 0; i < num_seqs; ++i) {
     const int64_t rows = (pb.query_start[i + 1] - pb.query_start[i]) * pb.num_heads;
     total += rows * pb.seq_lens[i];
-    whole += rows <= kTileRows;
+    all_rows += rows;
+    if (rows <= kTileRows) {
+      ++whole;
+      whole_rows += rows;
+    }
   }
   Plan plan;
   plan.threads = static_cast<int>(std::clamp<int64_t>(total / kMinCostPerThread, 1, max_threads));
@@ -87,11 +91,7 @@ inline Plan plan_work(const Problem& pb, int64_t num_seqs, int max_threads, int 
   const int32_t kv_heads = static_cast<int32_t>(pb.num_kv_heads);
   // Query tokens per tile of a split sequence: kTileRows' worth, or more (up to max_tile_rows)
   // while the split rows still make about four items per thread.
-  int64_t split_rows = 0;
-  for (int32_t i = 0; i < num_seqs; ++i) {
-    const int64_t rows = (pb.query_start[i + 1] - pb.query_start[i]) * pb.num_heads;
-    if (!(group_heads && rows <= kTileRows)) split_rows += rows;
-  }
+  const int64_t split_rows = group_heads ? all_rows - whole_rows : all_rows;
   const int64_t wanted = (split_rows + 4 * plan.threads - 1) / (4 * plan.threads);
   const int64_t tile_rows = std::clamp<int64_t>(wanted, kTileRows, std::min(max_tile_rows, kMaxRows));
   const int32_t tile = static_cast<int32_t>(std::max<int64_t>(1, tile_rows / pb.group));
