@@ -84,6 +84,26 @@ def test_matches_dense_attention_at_any_thread_count(cpu, num_threads, threads):
                           dtype=torch.bfloat16, seed=2, **TOLERANCES[torch.bfloat16])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("cases", [[SeqCase(250 + 3 * i, 1) for i in range(8)], [SeqCase(2000, 1)]],
+                         ids=["8_decodes_of_256", "one_decode_of_2000"])
+def test_a_small_decode_batch_gives_the_same_bits_on_one_thread_and_two(cpu, num_threads, cases, dtype):
+    """How many threads a step's attention uses follows its total work (attention_common.h), so
+    with the load; a light step of a few decodes (here 8 of ~256 keys, or one of 2,000: ~18k row
+    keys, on two threads since session 46) must give every row the bits one thread gives it."""
+    g = torch.Generator().manual_seed(5)
+    num_blocks = sum(-(-(c.context_len + c.query_len) // 16) for c in cases) + 5
+    meta, _ = build_metadata(cases, 16, num_blocks, g)
+    t = sum(c.query_len for c in cases)
+    caches = [torch.randn(num_blocks, 16, 3, 64, generator=g).to(dtype) for _ in range(2)]
+    q, k, v = (torch.randn(t, h, 64, generator=g).to(dtype) for h in (9, 3, 3))
+    outs = []
+    for threads in (1, 2):
+        num_threads(threads)
+        outs.append(cpu.forward(q, k, v, *[c.clone() for c in caches], meta, 0.125))
+    assert torch.equal(outs[0], outs[1])
+
+
 @pytest.mark.parametrize("others", [0, 40], ids=["alone", "beside_40_decodes"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_a_query_row_does_not_depend_on_the_rows_beside_it(cpu, others, dtype):

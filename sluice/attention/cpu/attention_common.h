@@ -33,9 +33,12 @@ using sluice_simd::bf16;
 constexpr int kMaxRows = 384;
 constexpr int kTileRows = 96;
 constexpr int kMaxHeadDim = 128;
-// Below this much work per thread (query rows x keys; ~4 ns each) a step runs on fewer threads:
-// waking a thread costs more than it saves, and far more when the cores are oversubscribed.
-constexpr int64_t kMinCostPerThread = 16384;
+// Below this much work per thread (query rows x keys; 4-8 ns each on one thread) a step runs on
+// fewer threads: waking a thread costs more than it saves, and far more when the cores are
+// oversubscribed. Session 46 (AMX host, 2 threads): 16,384 kept decodes of up to ~8 sequences at
+// 256 tokens (b=8: 150 us a layer, 70 at 4,096) or one at 2,048 (138 -> 98 us) on one thread, the
+// decode step at b=8, 256 tokens 17.7 -> 15.3 ms; one decode at 256 tokens (2,304) stays on one.
+constexpr int64_t kMinCostPerThread = 4096;
 
 struct Problem {
   int64_t num_heads, num_kv_heads, group, block_size_log2;
