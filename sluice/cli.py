@@ -66,8 +66,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="append one JSON line per engine step: its batch shape and where its time went")
     p.add_argument("--speculative-config", default=DEFAULT_SPECULATIVE, metavar="JSON",
                    help='prompt-lookup speculative decoding, as vLLM\'s flag: \'{"method": "ngram", '
-                        '"num_speculative_tokens": 6, "prompt_lookup_max": 3, "prompt_lookup_min": 2}\' '
-                        '(missing keys take these defaults; this is the default); "none": off')
+                        '"num_speculative_tokens": 16, "prompt_lookup_max": 3, "prompt_lookup_min": 2, '
+                        '"adaptive": true}\' (missing keys take these defaults; this is the default; '
+                        '"adaptive", sluice\'s: each request drafts a length of its own, from 6, up to '
+                        'num_speculative_tokens; false: always num_speculative_tokens, as vLLM); "none": off')
 
 
 def add_server_args(p: argparse.ArgumentParser) -> None:

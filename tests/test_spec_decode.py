@@ -267,3 +267,69 @@ def test_a_request_whose_drafts_fail_drafts_one_at_a_time():
         sizes.append(len(d))
         s.update_from_output(out, [[*d, req.all_token_ids[-2] if len(d) % 2 == 0 else req.all_token_ids[-1]]])
     assert sizes[-1] == 4, sizes
+
+
+# --- adaptive draft length (scheduler.py, START_DRAFTS) ----------------------------------------------
+ADAPTIVE = SpeculativeConfig(num_speculative_tokens=10, prompt_lookup_min=2, prompt_lookup_max=3)
+
+
+def _verify(s, req, agree: bool) -> int:
+    """One step of `req` decoding a period-2 loop; the model takes every draft (agree) or none.
+    Returns how many drafts the step gave it."""
+    out = s.schedule()
+    d = out.spec_tokens.get(req.request_id, [])
+    if agree:   # the drafts continue the loop, and so does the token sampled after them
+        mine = [*d, req.all_token_ids[-2] if len(d) % 2 == 0 else req.all_token_ids[-1]]
+    else:       # none taken (the sampled token still continues the loop, so drafts stay possible)
+        mine = [req.all_token_ids[-2]]
+    s.update_from_output(out, [mine if r is req else TOKEN for (r, _), smp in zip(out.scheduled, out.samples) if smp])
+    return len(d)
+
+
+def test_a_request_drafts_more_after_full_acceptance_and_less_after_a_rejection():
+    assert ADAPTIVE.adaptive   # the default
+    s = create_scheduler(speculative=ADAPTIVE)
+    req = create_request(s, "a", [11, 12] * 8, max_tokens=200, ignore_eos=True)
+    _decoding(s, req, token=11)
+    grown = [_verify(s, req, agree=True) for _ in range(5)]
+    assert grown == [6, 8, 10, 10, 10]          # from 6, +2 per verification that took every draft, up to 10
+    shrunk = [_verify(s, req, agree=False) for _ in range(3)]
+    assert shrunk == [10, 9, 8]                 # -1 after each that rejected one
+    assert req.draft_len == 7
+    s.check_invariants()
+
+
+def test_a_draft_cut_short_by_the_budget_does_not_lengthen_the_next():
+    s = create_scheduler(speculative=ADAPTIVE, max_num_batched_tokens=5)
+    req = create_request(s, "a", [11, 12] * 8, max_tokens=200, ignore_eos=True)
+    _decoding(s, req, token=11)
+    assert [_verify(s, req, agree=True) for _ in range(3)] == [4, 4, 4]   # the budget leaves 4
+    assert req.draft_len == 6                   # never given its whole length: not grown
+    s.check_invariants()
+
+
+def test_in_a_step_with_prompt_tokens_a_request_drafts_at_most_the_start_length():
+    s = create_scheduler(speculative=ADAPTIVE, decode_yield_steps=0)
+    req = create_request(s, "a", [11, 12] * 8, max_tokens=200, ignore_eos=True)
+    _decoding(s, req, token=11)
+    while req.draft_len is None or req.draft_len < 10:
+        _verify(s, req, agree=True)
+    create_request(s, "late", 40, max_tokens=4)
+    assert _verify(s, req, agree=True) == 6     # beside the late call's prompt: 6, its length stays 10
+    assert req.draft_len == 10
+    assert _verify(s, req, agree=True) == 10    # decodes alone again
+    s.check_invariants()
+
+
+def test_without_adaptive_every_draft_has_the_configured_length():
+    fixed = SpeculativeConfig(num_speculative_tokens=10, prompt_lookup_min=2, prompt_lookup_max=3, adaptive=False)
+    s = create_scheduler(speculative=fixed, decode_yield_steps=0)
+    req = create_request(s, "a", [11, 12] * 8, max_tokens=200, ignore_eos=True)
+    _decoding(s, req, token=11)
+    assert [_verify(s, req, agree=a) for a in (True, False, True)] == [10, 10, 10]
+    create_request(s, "late", 40, max_tokens=4)
+    assert _verify(s, req, agree=True) == 10    # beside a prompt too
+    assert req.draft_len is None
+    assert parse_speculative_config('{"adaptive": false}').adaptive is False
+    with pytest.raises(ValueError):
+        parse_speculative_config('{"adaptive": "yes"}')

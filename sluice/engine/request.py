@@ -76,6 +76,7 @@ class Request:
         self.error: Optional[str] = None
         self.ngram_index = None                # speculative decoding's n-gram index (spec_decode.py)
         self.spec_acceptance = 1.0             # moving average of its drafts' acceptance rate
+        self.draft_len: Optional[int] = None   # drafts it may take next (adaptive prompt lookup; scheduler.py)
         self.num_new_tokens = 0                # tokens appended by the latest step
         self.opens_workflow = False            # the first call of its workflow (set by the scheduler)
 
