@@ -473,7 +473,9 @@ class Scheduler:
             return []  # a seeded request's tokens must not depend on how much was speculated
         room = min(req.max_tokens - req.num_output_tokens, self.config.max_model_len - req.num_tokens) - 1
         if self.spec_config.adaptive:
-            room = min(room, self._draft_len(req), START_DRAFTS if prompt_step else room)
+            room = min(room, self._draft_len(req))
+            if prompt_step:
+                room = min(room, START_DRAFTS)
         if req.spec_acceptance < LOW_ACCEPTANCE:
             room = min(room, 1)   # its drafts are mostly wrong: one, to notice when that changes
         return self.proposer.propose(req, min(max_k, room))
