@@ -335,3 +335,30 @@ def test_amx_and_vector_paths_agree_to_rounding(silu_mul):
     ulps = 4.0 if silu_mul else 1.01
     tol = torch.maximum(vector.abs() * 2.0 ** -7 * ulps, vector.abs().max() * 2.0 ** -16)
     assert ((tiles - vector).abs() <= tol)[differ].all()
+
+
+@pytest.mark.parametrize("silu_mul,n", [(False, 576), (False, 560), (False, 592), (False, 960), (True, 224), (True, 3072)])
+def test_decode_sized_calls_give_the_same_bits_on_one_thread_and_two(silu_mul, n, linear_path):
+    """Below the dealt sizes, the AMX path splits the half-group passes of all groups between the
+    threads (576 columns are 9 groups: by groups the split was 5 / 4), so a group's two passes
+    may run on different threads; the vector path splits whole groups. Either way each output
+    is the same sums in the same order: one thread and two give the same bits, with a narrower
+    last group too (560: 48 columns, 592: 16)."""
+    g = torch.Generator().manual_seed(n)
+    k = 576
+    w = (torch.randn(n, k, generator=g) / k ** 0.5).bfloat16()
+    b = torch.randn(n, generator=g).bfloat16()
+    layer = PackedLinear(w, b, silu_mul=silu_mul)
+    threads = torch.get_num_threads()
+    try:
+        for m in (1, 7, 33, 130):
+            x = torch.randn(m, k, generator=g).bfloat16()
+            torch.set_num_threads(2)
+            two = layer(x)
+            torch.set_num_threads(1)
+            one = layer(x)
+            assert torch.equal(one, two), f"{m} rows differ between one thread and two"
+            want = _ref(x, w, b)
+            _close(two, silu_and_mul(want.bfloat16().double()) if silu_mul else want)
+    finally:
+        torch.set_num_threads(threads)

@@ -222,7 +222,7 @@ struct AmxRows {
 // themselves, streamed a decode step's weights at ~2/3 of the read bandwidth).
 template <bool kSiluMul>
 void amx_group(const AmxRows& xs, int64_t r0, int64_t rows, const bf16* w, int64_t gw, int64_t k, const float* bias,
-               bf16* y, int64_t ldy, int64_t next_bytes) {
+               bf16* y, int64_t ldy, int64_t next_bytes, int p_begin = 0, int p_end = 2) {
   alignas(64) float c[32 * 32];
   const int tiles = static_cast<int>(gw / 16);
   // Column-tile passes: plain, (0, 1), (2, 3) or a lone last tile; fused, gate tile j with up
@@ -233,15 +233,19 @@ void amx_group(const AmxRows& xs, int64_t r0, int64_t rows, const bf16* w, int64
   } else {
     for (int j = 0; j < tiles; j += 2) passes[npass][0] = j, passes[npass][1] = j + 1 < tiles ? j + 1 : -1, ++npass;
   }
+  // Passes [p_begin, p_end) of the group's (at most 2, amx_passes): a decode-sized call splits
+  // the passes of all its groups between the threads.
+  p_end = std::min(p_end, npass);
+  if (p_begin >= p_end) return;
   const int64_t t_end = (r0 + rows + kTileRows - 1) / kTileRows;
   Prefetch pf;
   if (next_bytes > 0) {
-    const int64_t steps = npass * ((t_end - r0 / kTileRows + 1) / 2) * (k / kTileK);
+    const int64_t steps = (p_end - p_begin) * ((t_end - r0 / kTileRows + 1) / 2) * (k / kTileK);
     pf.next = reinterpret_cast<const char*>(w + gw * k);
     pf.end = pf.next + next_bytes;
     pf.per_step = (next_bytes / 64 + steps - 1) / steps;
   }
-  for (int p = 0; p < npass; ++p) {
+  for (int p = p_begin; p < p_end; ++p) {
     const int ct[2] = {passes[p][0], passes[p][1]};
     const bool two_cols = ct[1] >= 0;
     for (int64_t t = r0 / kTileRows; t < t_end; t += 2) {
@@ -269,6 +273,13 @@ void amx_group(const AmxRows& xs, int64_t r0, int64_t rows, const bf16* w, int64
       }
     }
   }
+}
+
+// amx_group's passes over a group gw columns wide: pairs of 16-column tiles (fused: a gate tile
+// with its up tile).
+inline int amx_passes(int64_t gw, bool silu_mul) {
+  const int tiles = static_cast<int>(gw / 16);
+  return silu_mul ? tiles / 2 : (tiles + 1) / 2;
 }
 #endif  // SLUICE_HAVE_AMX
 
@@ -302,8 +313,9 @@ void run(const at::Tensor& x, const at::Tensor& packed, int64_t n, int64_t k, co
   std::optional<AmxRows> amx_rows;
   if (amx) amx_rows.emplace(xp, ldx, m, k);
 #endif
-  // Rows [r0, r0 + rows) of group g; the thread's next group is g + 1 if g + 1 < g_end.
-  auto group = [&](int64_t g, int64_t r0, int64_t rows, int64_t g_end) {
+  // Rows [r0, r0 + rows) of group g; the thread's next group is g + 1 if g + 1 < g_end. On AMX,
+  // only the group's passes [p0, p1).
+  auto group = [&](int64_t g, int64_t r0, int64_t rows, int64_t g_end, int p0 = 0, int p1 = 2) {
     const int64_t col = g * kGroupCols;
     const int vecs = static_cast<int>(std::min<int64_t>(kGroupCols, n - col) / 16);
     const bf16* wg = wp + col * k;
@@ -312,7 +324,7 @@ void run(const at::Tensor& x, const at::Tensor& packed, int64_t n, int64_t k, co
     if (amx) {
       const int64_t next_bytes = g + 1 < g_end ? std::min<int64_t>(kGroupCols, n - col - kGroupCols) * k * 2 : 0;
       amx_group<kSiluMul>(*amx_rows, r0, rows, wg, 16 * vecs, k, bg, yp + r0 * ldy + (kSiluMul ? col / 2 : col), ldy,
-                          next_bytes);
+                          next_bytes, p0, p1);
       return;
     }
 #endif
@@ -335,6 +347,28 @@ void run(const at::Tensor& x, const at::Tensor& packed, int64_t n, int64_t k, co
     // One group is ~K * 128 bytes of weight and 2 * M * K * 64 flops; below ~2 groups per thread
     // of work for a tiny M the fork costs more than it saves, so let at::parallel_for decide.
     const int64_t grain = m * k >= 4096 ? 1 : 4;
+#if SLUICE_HAVE_AMX
+    if (amx) {
+      // Split by amx_group's passes (half a 64-column group each) rather than by groups: the
+      // projections of 9 and 15 groups (576 and 960 columns) split 5 / 4 and 8 / 7 by groups,
+      // and the thread with one group less waited at the join for a fifth and an eighth of the
+      // call (docs/measured/s47/gemm-split.txt: 30 layers' projections 2-8% faster split by
+      // passes). Every group but the last has 2 passes; which thread computes a column does not
+      // change its bits.
+      const int64_t last_w = n - (groups - 1) * kGroupCols;
+      const int64_t units = 2 * (groups - 1) + amx_passes(std::min<int64_t>(kGroupCols, last_w), kSiluMul);
+      at::parallel_for(0, units, 2 * grain, [&](int64_t u0, int64_t u1) {
+        AmxTiles tiles;
+        const int64_t g_last = (u1 - 1) / 2;  // every unit of a group g is 2 g or 2 g + 1
+        for (int64_t g = u0 / 2; g <= g_last; ++g) {
+          const int p0 = static_cast<int>(std::max<int64_t>(u0 - 2 * g, 0));
+          const int p1 = static_cast<int>(std::min<int64_t>(u1 - 2 * g, 2));
+          group(g, 0, m, g_last + 1, p0, p1);
+        }
+      });
+      return;
+    }
+#endif
     at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
 #if SLUICE_HAVE_AMX
       std::optional<AmxTiles> tiles;
