@@ -160,10 +160,11 @@ struct Prefetch {
 };
 
 // c[16 r + i][16 v + j] (ld 32 floats) = sum over K of a_r[i][:] * column (16 ct[v] + j) of the
-// group at w (gw columns wide), for kR row tiles and kV column tiles; pf advances once per k step.
-template <int kR, int kV>
+// group at w (gw columns wide), for kR row tiles and kV column tiles; tick() runs once per k step
+// (vector work that overlaps the tiles': prefetches, the previous block's epilogue).
+template <int kR, int kV, class Tick>
 inline void amx_block(const bf16* const (&a)[2], const int64_t (&lda_bytes)[2], const bf16* w, int64_t gw, int64_t k,
-                      const int (&ct)[2], float* c, Prefetch& pf) {
+                      const int (&ct)[2], float* c, Tick& tick) {
   _tile_zero(0);
   if constexpr (kV > 1) _tile_zero(1);
   if constexpr (kR > 1) {
@@ -183,7 +184,7 @@ inline void amx_block(const bf16* const (&a)[2], const int64_t (&lda_bytes)[2], 
       _tile_dpbf16ps(2, 5, 6);
       if constexpr (kV > 1) _tile_dpbf16ps(3, 5, 7);
     }
-    pf.step();
+    tick();
   }
   _tile_stored(0, c, 128);
   if constexpr (kV > 1) _tile_stored(1, c + 16, 128);
@@ -223,7 +224,7 @@ struct AmxRows {
 template <bool kSiluMul>
 void amx_group(const AmxRows& xs, int64_t r0, int64_t rows, const bf16* w, int64_t gw, int64_t k, const float* bias,
                bf16* y, int64_t ldy, int64_t next_bytes, int p_begin = 0, int p_end = 2) {
-  alignas(64) float c[32 * 32];
+  alignas(64) float c[2][32 * 32];
   const int tiles = static_cast<int>(gw / 16);
   // Column-tile passes: plain, (0, 1), (2, 3) or a lone last tile; fused, gate tile j with up
   // tile j + tiles / 2, whose silu(gate) * up is output tile j.
@@ -245,6 +246,37 @@ void amx_group(const AmxRows& xs, int64_t r0, int64_t rows, const bf16* w, int64
     pf.end = pf.next + next_bytes;
     pf.per_step = (next_bytes / 64 + steps - 1) / steps;
   }
+  // A block's epilogue (its C tiles rounded to bf16, or silu(gate) * up) runs during the next
+  // block's k steps, a few rows per step, so that the vector work overlaps the tiles' instead of
+  // following it (the tiles idle through an epilogue otherwise); the C tiles alternate between
+  // two buffers. The same arithmetic on the same sums: the same bits.
+  struct Pending {
+    const float* c = nullptr;
+    int64_t row0 = 0, nrows = 0, done = 0, per_tick = 0;
+    int ct[2] = {0, -1};
+  } pending;
+  auto epilogue_rows = [&](int64_t until) {
+    const int64_t end = std::min(until, pending.nrows);
+    for (int64_t i = pending.done; i < end; ++i) {
+      const float* ci = pending.c + i * 32;
+      bf16* yi = y + (pending.row0 - r0 + i) * ldy;
+      const int* ct = pending.ct;
+      if constexpr (kSiluMul) {
+        store_silu_mul(yi + 16 * ct[0], _mm512_load_ps(ci), _mm512_load_ps(ci + 16),
+                       bias ? bias + 16 * ct[0] : nullptr, bias ? bias + 16 * ct[1] : nullptr);
+      } else {
+        for (int v = 0; v < (ct[1] >= 0 ? 2 : 1); ++v)
+          store_plain(yi + 16 * ct[v], _mm512_load_ps(ci + 16 * v), bias ? bias + 16 * ct[v] : nullptr);
+      }
+    }
+    pending.done = std::max(pending.done, end);
+  };
+  auto tick = [&] {
+    pf.step();
+    if (pending.done < pending.nrows) epilogue_rows(pending.done + pending.per_tick);
+  };
+  const int64_t k_steps = k / kTileK;
+  int buffer = 0;
   for (int p = p_begin; p < p_end; ++p) {
     const int ct[2] = {passes[p][0], passes[p][1]};
     const bool two_cols = ct[1] >= 0;
@@ -252,27 +284,27 @@ void amx_group(const AmxRows& xs, int64_t r0, int64_t rows, const bf16* w, int64
       const bool two_rows = t + 1 < t_end;
       const bf16* a[2] = {xs.tile(t), two_rows ? xs.tile(t + 1) : nullptr};
       const int64_t lda[2] = {xs.ld_bytes(t), two_rows ? xs.ld_bytes(t + 1) : 0};
+      float* cb = c[buffer];
       if (two_rows) {
-        if (two_cols) amx_block<2, 2>(a, lda, w, gw, k, ct, c, pf);
-        else amx_block<2, 1>(a, lda, w, gw, k, ct, c, pf);
+        if (two_cols) amx_block<2, 2>(a, lda, w, gw, k, ct, cb, tick);
+        else amx_block<2, 1>(a, lda, w, gw, k, ct, cb, tick);
       } else {
-        if (two_cols) amx_block<1, 2>(a, lda, w, gw, k, ct, c, pf);
-        else amx_block<1, 1>(a, lda, w, gw, k, ct, c, pf);
+        if (two_cols) amx_block<1, 2>(a, lda, w, gw, k, ct, cb, tick);
+        else amx_block<1, 1>(a, lda, w, gw, k, ct, cb, tick);
       }
-      const int64_t row0 = t * kTileRows, nrows = std::min<int64_t>(two_rows ? 32 : 16, r0 + rows - row0);
-      for (int64_t i = 0; i < nrows; ++i) {
-        const float* ci = c + i * 32;
-        bf16* yi = y + (row0 - r0 + i) * ldy;
-        if constexpr (kSiluMul) {
-          store_silu_mul(yi + 16 * ct[0], _mm512_load_ps(ci), _mm512_load_ps(ci + 16),
-                         bias ? bias + 16 * ct[0] : nullptr, bias ? bias + 16 * ct[1] : nullptr);
-        } else {
-          for (int v = 0; v < (two_cols ? 2 : 1); ++v)
-            store_plain(yi + 16 * ct[v], _mm512_load_ps(ci + 16 * v), bias ? bias + 16 * ct[v] : nullptr);
-        }
-      }
+      epilogue_rows(pending.nrows);  // whatever the block's k steps left of the previous one
+      const int64_t row0 = t * kTileRows;
+      pending.c = cb;
+      pending.row0 = row0;
+      pending.nrows = std::min<int64_t>(two_rows ? 32 : 16, r0 + rows - row0);
+      pending.done = 0;
+      pending.per_tick = (pending.nrows + k_steps - 1) / k_steps;
+      pending.ct[0] = ct[0];
+      pending.ct[1] = ct[1];
+      buffer ^= 1;
     }
   }
+  epilogue_rows(pending.nrows);
 }
 
 // amx_group's passes over a group gw columns wide: pairs of 16-column tiles (fused: a gate tile
