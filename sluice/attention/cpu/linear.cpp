@@ -317,9 +317,9 @@ inline int amx_passes(int64_t gw, bool silu_mul) {
 
 // Columns [g * 64, ...) of the group g; the last group may be 16, 32 or 48 wide.
 //
-// Below two row blocks (decodes, verification, short prompts) the groups are split between the
-// threads up front: there a step is mostly the weights' pass through the cores, and each thread
-// streams its own contiguous half. From two row blocks on (prefill chunks) the work items are a
+// Below two row blocks (decodes, verification, short prompts) the groups (on AMX, their
+// half-group passes) are split between the threads up front: there a step is mostly the weights'
+// pass through the cores, and each thread streams its own contiguous half. From two row blocks on (prefill chunks) the work items are a
 // block of rows times a run of groups, row blocks first, dealt from a shared counter (the AVX2
 // kernel's scheme, linear_avx2.cpp): when one core is slowed by something else (the server's
 // Python thread, a benchmark client, a neighbour on the host) the other takes more items instead
