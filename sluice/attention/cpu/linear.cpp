@@ -217,6 +217,13 @@ struct AmxRows {
   int64_t ld_bytes(int64_t t) const { return (padded(t) ? k : ldx) * static_cast<int64_t>(sizeof(bf16)); }
 };
 
+// amx_group's passes over a group gw (<= 64) columns wide: pairs of 16-column tiles (fused: a
+// gate tile with its up tile), at most 2.
+inline int amx_passes(int64_t gw, bool silu_mul) {
+  const int tiles = static_cast<int>(gw / 16);
+  return silu_mul ? tiles / 2 : (tiles + 1) / 2;
+}
+
 // Rows [r0, r0 + rows) (r0 a multiple of 16) of the group at w, gw columns wide; meanwhile the
 // next_bytes that follow the group's weights (the next group this thread computes; 0: none) are
 // prefetched into L2, spread over the group's k steps (the hardware prefetchers, left to
@@ -228,14 +235,14 @@ void amx_group(const AmxRows& xs, int64_t r0, int64_t rows, const bf16* w, int64
   const int tiles = static_cast<int>(gw / 16);
   // Column-tile passes: plain, (0, 1), (2, 3) or a lone last tile; fused, gate tile j with up
   // tile j + tiles / 2, whose silu(gate) * up is output tile j.
-  int passes[4][2], npass = 0;
-  if constexpr (kSiluMul) {
-    for (int j = 0; j < tiles / 2; ++j) passes[npass][0] = j, passes[npass][1] = j + tiles / 2, ++npass;
-  } else {
-    for (int j = 0; j < tiles; j += 2) passes[npass][0] = j, passes[npass][1] = j + 1 < tiles ? j + 1 : -1, ++npass;
+  const int npass = amx_passes(gw, kSiluMul);
+  int passes[2][2];
+  for (int j = 0; j < npass; ++j) {
+    if constexpr (kSiluMul) passes[j][0] = j, passes[j][1] = j + tiles / 2;
+    else passes[j][0] = 2 * j, passes[j][1] = 2 * j + 1 < tiles ? 2 * j + 1 : -1;
   }
-  // Passes [p_begin, p_end) of the group's (at most 2, amx_passes): a decode-sized call splits
-  // the passes of all its groups between the threads.
+  // Passes [p_begin, p_end) of the group's: a decode-sized call splits the passes of all its
+  // groups between the threads.
   p_end = std::min(p_end, npass);
   if (p_begin >= p_end) return;
   const int64_t t_end = (r0 + rows + kTileRows - 1) / kTileRows;
@@ -269,11 +276,11 @@ void amx_group(const AmxRows& xs, int64_t r0, int64_t rows, const bf16* w, int64
           store_plain(yi + 16 * ct[v], _mm512_load_ps(ci + 16 * v), bias ? bias + 16 * ct[v] : nullptr);
       }
     }
-    pending.done = std::max(pending.done, end);
+    pending.done = end;
   };
   auto tick = [&] {
     pf.step();
-    if (pending.done < pending.nrows) epilogue_rows(pending.done + pending.per_tick);
+    epilogue_rows(pending.done + pending.per_tick);
   };
   const int64_t k_steps = k / kTileK;
   int buffer = 0;
@@ -307,25 +314,19 @@ void amx_group(const AmxRows& xs, int64_t r0, int64_t rows, const bf16* w, int64
   epilogue_rows(pending.nrows);
 }
 
-// amx_group's passes over a group gw columns wide: pairs of 16-column tiles (fused: a gate tile
-// with its up tile).
-inline int amx_passes(int64_t gw, bool silu_mul) {
-  const int tiles = static_cast<int>(gw / 16);
-  return silu_mul ? tiles / 2 : (tiles + 1) / 2;
-}
 #endif  // SLUICE_HAVE_AMX
 
 // Columns [g * 64, ...) of the group g; the last group may be 16, 32 or 48 wide.
 //
 // Below two row blocks (decodes, verification, short prompts) the groups (on AMX, their
 // half-group passes) are split between the threads up front: there a step is mostly the weights'
-// pass through the cores, and each thread streams its own contiguous half. From two row blocks on (prefill chunks) the work items are a
-// block of rows times a run of groups, row blocks first, dealt from a shared counter (the AVX2
-// kernel's scheme, linear_avx2.cpp): when one core is slowed by something else (the server's
-// Python thread, a benchmark client, a neighbour on the host) the other takes more items instead
-// of waiting at the join. A group's weight slice is then read once per row block instead of
-// once, from L3 at these sizes. Which item computes an output does not change its bits: every
-// row tile runs the same sums in the same order.
+// pass through the cores, and each thread streams its own contiguous half. From two row blocks
+// on (prefill chunks) the work items are a block of rows times a run of groups, row blocks first,
+// dealt from a shared counter (the AVX2 kernel's scheme, linear_avx2.cpp): when one core is
+// slowed by something else (the server's Python thread, a benchmark client, a neighbour on the
+// host) the other takes more items instead of waiting at the join. A group's weight slice is
+// then read once per row block instead of once, from L3 at these sizes. Which item computes an
+// output does not change its bits: every row tile runs the same sums in the same order.
 constexpr int64_t kRowBlock = 96;  // 16 row tiles; x's block (<= 96 x 1536 bf16) stays in L2
 // Measured (docs/measured/s36/gemm-ab.txt: 30 layers' projections, 2 threads): with one core 30%
 // busy elsewhere, 200 / 336 / 512 rows ran 0-13% faster dealt than split up front; on idle cores
@@ -402,10 +403,6 @@ void run(const at::Tensor& x, const at::Tensor& packed, int64_t n, int64_t k, co
     }
 #endif
     at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
-#if SLUICE_HAVE_AMX
-      std::optional<AmxTiles> tiles;
-      if (amx) tiles.emplace();
-#endif
       for (int64_t g = g0; g < g1; ++g) group(g, 0, m, g1);
     });
     return;
