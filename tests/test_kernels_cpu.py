@@ -337,13 +337,15 @@ def test_amx_and_vector_paths_agree_to_rounding(silu_mul):
     assert ((tiles - vector).abs() <= tol)[differ].all()
 
 
-@pytest.mark.parametrize("silu_mul,n", [(False, 576), (False, 560), (False, 592), (False, 960), (True, 224), (True, 3072)])
+@pytest.mark.parametrize("silu_mul,n", [(False, 576), (False, 560), (False, 592), (False, 960), (True, 224), (True, 320),
+                                        (True, 3072)])
 def test_decode_sized_calls_give_the_same_bits_on_one_thread_and_two(silu_mul, n, linear_path):
-    """Below the dealt sizes, the AMX path splits the half-group passes of all groups between the
+    """Below the dealt sizes both paths split the half-group passes of all groups between the
     threads (576 columns are 9 groups: by groups the split was 5 / 4), so a group's two passes
-    may run on different threads; the vector path splits whole groups. Either way each output
-    is the same sums in the same order: one thread and two give the same bits, with a narrower
-    last group too (560: 48 columns, 592: 16)."""
+    may run on different threads, and the vector path then runs that group pass by pass instead
+    of in one sweep. Either way each output is the same sums in the same order: one thread and
+    two give the same bits, with a narrower last group too (560: 48 columns, 592: 16), and a fused
+    gate/up group cut in two (320: 5 groups)."""
     g = torch.Generator().manual_seed(n)
     k = 576
     w = (torch.randn(n, k, generator=g) / k ** 0.5).bfloat16()

@@ -13,7 +13,8 @@
 //
 // A group's slice (K * 128 bytes) stays in L2 while every tile of up to 6 rows passes over it:
 // per k pair, 4 vector loads and 6 broadcasts feed 24 independent `vdpbf16ps` accumulators.
-// Groups are split between the threads; prefill-sized inputs are split in row blocks too (see run).
+// Groups (halves of groups where that evens the split) are split between the threads; prefill-sized
+// inputs are split in row blocks too (see run).
 //
 // linear_bf16_silu_mul takes a gate/up projection whose packed groups hold 32 gate columns then
 // the 32 matching up columns (see pack_gate_up), and writes silu(gate) * up: [M, N / 2], so the
@@ -65,15 +66,18 @@ inline __m512bh broadcast_pair(const bf16* p) {
   return (__m512bh)_mm512_set1_epi32(v);
 }
 
-// acc[r][j] = sum over k of x[r][k] * W[n0 + 16 j + lane][k] for the group at w (kVecs vectors wide).
+// acc[r][j] = sum over k of x[r][k] * W[16 vi[j] + lane][k] for the group at w, whose k pairs are
+// ldw elements apart (32 per 16-column vector of the group): kVecs of its vectors, vi[j] the j-th.
 template <int kRows, int kVecs>
-inline void dot_tile(const bf16* x, int64_t ldx, const bf16* w, int64_t k_pairs, __m512 (&acc)[kRows][kVecs]) {
+inline void dot_tile(const bf16* x, int64_t ldx, const bf16* w, int64_t ldw, const int (&vi)[kVecs], int64_t k_pairs,
+                     __m512 (&acc)[kRows][kVecs]) {
   for (int r = 0; r < kRows; ++r)
     for (int j = 0; j < kVecs; ++j) acc[r][j] = _mm512_setzero_ps();
+  const bf16* wj[kVecs];
+  for (int j = 0; j < kVecs; ++j) wj[j] = w + 32 * vi[j];
   for (int64_t p = 0; p < k_pairs; ++p) {
-    const bf16* wp = w + p * (kVecs * 32);
     __m512bh wv[kVecs];
-    for (int j = 0; j < kVecs; ++j) wv[j] = (__m512bh)_mm512_loadu_si512(wp + 32 * j);
+    for (int j = 0; j < kVecs; ++j) wv[j] = (__m512bh)_mm512_loadu_si512(wj[j] + p * ldw);
     for (int r = 0; r < kRows; ++r) {
       const __m512bh a = broadcast_pair(x + r * ldx + 2 * p);
       for (int j = 0; j < kVecs; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], a, wv[j]);
@@ -105,39 +109,105 @@ inline void store_silu_mul(bf16* dst, __m512 g, __m512 u, const float* gate_bias
   store_bf16(dst, silu_mul(round_bf16(g), round_bf16(u)));
 }
 
-// Rows [r0, r0 + kRows) of one group: plain projection (+ bias) or fused silu(gate) * up.
+// Rows [r0, r0 + kRows) of kVecs vectors vi of one group (ldw as for dot_tile): plain projection
+// (+ bias), output vector vi[j], or fused, output vector vi[j] = silu(gate vi[j]) * up vi[j + kVecs / 2]
+// for j < kVecs / 2. y and bias are the group's.
 template <int kRows, int kVecs, bool kSiluMul>
-inline void group_tile(const bf16* x, int64_t ldx, const bf16* w, int64_t k_pairs, const float* bias, bf16* y,
-                       int64_t ldy) {
+inline void group_tile(const bf16* x, int64_t ldx, const bf16* w, int64_t ldw, const int (&vi)[kVecs],
+                       int64_t k_pairs, const float* bias, bf16* y, int64_t ldy) {
   __m512 acc[kRows][kVecs];
-  dot_tile<kRows, kVecs>(x, ldx, w, k_pairs, acc);
+  dot_tile<kRows, kVecs>(x, ldx, w, ldw, vi, k_pairs, acc);
   for (int r = 0; r < kRows; ++r) {
     if constexpr (kSiluMul) {
       static_assert(kVecs % 2 == 0);
-      for (int j = 0; j < kVecs / 2; ++j)
-        store_silu_mul(y + r * ldy + 16 * j, acc[r][j], acc[r][j + kVecs / 2], bias ? bias + 16 * j : nullptr,
-                       bias ? bias + 16 * (j + kVecs / 2) : nullptr);
+      for (int j = 0; j < kVecs / 2; ++j) {
+        const int g = vi[j], u = vi[j + kVecs / 2];
+        store_silu_mul(y + r * ldy + 16 * g, acc[r][j], acc[r][j + kVecs / 2], bias ? bias + 16 * g : nullptr,
+                       bias ? bias + 16 * u : nullptr);
+      }
     } else {
-      for (int j = 0; j < kVecs; ++j) store_plain(y + r * ldy + 16 * j, acc[r][j], bias ? bias + 16 * j : nullptr);
+      for (int j = 0; j < kVecs; ++j)
+        store_plain(y + r * ldy + 16 * vi[j], acc[r][j], bias ? bias + 16 * vi[j] : nullptr);
     }
   }
 }
 
 template <int kVecs, bool kSiluMul>
-void run_group(const bf16* x, int64_t m, int64_t ldx, const bf16* w, int64_t k_pairs, const float* bias, bf16* y,
-               int64_t ldy) {
+void run_group(const bf16* x, int64_t m, int64_t ldx, const bf16* w, int64_t ldw, const int (&vi)[kVecs],
+               int64_t k_pairs, const float* bias, bf16* y, int64_t ldy) {
   int64_t r = 0;
   for (; r + kRowTile <= m; r += kRowTile)
-    group_tile<kRowTile, kVecs, kSiluMul>(x + r * ldx, ldx, w, k_pairs, bias, y + r * ldy, ldy);
+    group_tile<kRowTile, kVecs, kSiluMul>(x + r * ldx, ldx, w, ldw, vi, k_pairs, bias, y + r * ldy, ldy);
   const bf16* xr = x + r * ldx;
   bf16* yr = y + r * ldy;
   switch (m - r) {
     case 0: break;
-    case 1: group_tile<1, kVecs, kSiluMul>(xr, ldx, w, k_pairs, bias, yr, ldy); break;
-    case 2: group_tile<2, kVecs, kSiluMul>(xr, ldx, w, k_pairs, bias, yr, ldy); break;
-    case 3: group_tile<3, kVecs, kSiluMul>(xr, ldx, w, k_pairs, bias, yr, ldy); break;
-    case 4: group_tile<4, kVecs, kSiluMul>(xr, ldx, w, k_pairs, bias, yr, ldy); break;
-    default: group_tile<5, kVecs, kSiluMul>(xr, ldx, w, k_pairs, bias, yr, ldy); break;
+    case 1: group_tile<1, kVecs, kSiluMul>(xr, ldx, w, ldw, vi, k_pairs, bias, yr, ldy); break;
+    case 2: group_tile<2, kVecs, kSiluMul>(xr, ldx, w, ldw, vi, k_pairs, bias, yr, ldy); break;
+    case 3: group_tile<3, kVecs, kSiluMul>(xr, ldx, w, ldw, vi, k_pairs, bias, yr, ldy); break;
+    case 4: group_tile<4, kVecs, kSiluMul>(xr, ldx, w, ldw, vi, k_pairs, bias, yr, ldy); break;
+    default: group_tile<5, kVecs, kSiluMul>(xr, ldx, w, ldw, vi, k_pairs, bias, yr, ldy); break;
+  }
+}
+
+// A group's passes, as the decode-sized split deals them (both paths): pairs of 16-column vectors
+// (fused: a gate vector with its up vector), at most 2 in a 64-column group.
+inline int group_passes(int64_t gw, bool silu_mul) {
+  const int vecs = static_cast<int>(gw / 16);
+  return silu_mul ? vecs / 2 : (vecs + 1) / 2;
+}
+
+// Rows [0, m) of passes [p0, p1) of a group of `vecs` vectors on the AVX-512 path: the whole group
+// in one sweep when both of a 64-column group's passes are asked for (4 weight vectors per k pair
+// against each row's broadcast), else pass by pass. The sums are the same either way.
+template <bool kSiluMul>
+void vector_group(const bf16* x, int64_t m, int64_t ldx, const bf16* w, int vecs, int p0, int p1, int64_t k_pairs,
+                  const float* bias, bf16* y, int64_t ldy) {
+  const int64_t ldw = 32 * vecs;
+  const int passes = group_passes(16 * vecs, kSiluMul);
+  p1 = std::min(p1, passes);
+  if (p0 == 0 && p1 == passes) {
+    // The whole group, as one sweep.
+    switch (vecs) {
+      case 4: {
+        constexpr int vi[4] = {0, 1, 2, 3};
+        run_group<4, kSiluMul>(x, m, ldx, w, ldw, vi, k_pairs, bias, y, ldy);
+        return;
+      }
+      case 3: {
+        if constexpr (!kSiluMul) {
+          constexpr int vi[3] = {0, 1, 2};
+          run_group<3, false>(x, m, ldx, w, ldw, vi, k_pairs, bias, y, ldy);
+          return;
+        }
+        break;
+      }
+      case 2: {
+        constexpr int vi[2] = {0, 1};
+        run_group<2, kSiluMul>(x, m, ldx, w, ldw, vi, k_pairs, bias, y, ldy);
+        return;
+      }
+      case 1: {
+        if constexpr (!kSiluMul) {
+          constexpr int vi[1] = {0};
+          run_group<1, false>(x, m, ldx, w, ldw, vi, k_pairs, bias, y, ldy);
+          return;
+        }
+        break;
+      }
+    }
+  }
+  for (int p = p0; p < p1; ++p) {
+    if constexpr (kSiluMul) {
+      const int vi[2] = {p, p + vecs / 2};  // gate vector p and its up vector
+      run_group<2, true>(x, m, ldx, w, ldw, vi, k_pairs, bias, y, ldy);
+    } else if (2 * p + 1 < vecs) {
+      const int vi[2] = {2 * p, 2 * p + 1};
+      run_group<2, false>(x, m, ldx, w, ldw, vi, k_pairs, bias, y, ldy);
+    } else {
+      const int vi[1] = {2 * p};
+      run_group<1, false>(x, m, ldx, w, ldw, vi, k_pairs, bias, y, ldy);
+    }
   }
 }
 
@@ -217,13 +287,6 @@ struct AmxRows {
   int64_t ld_bytes(int64_t t) const { return (padded(t) ? k : ldx) * static_cast<int64_t>(sizeof(bf16)); }
 };
 
-// amx_group's passes over a group gw (<= 64) columns wide: pairs of 16-column tiles (fused: a
-// gate tile with its up tile), at most 2.
-inline int amx_passes(int64_t gw, bool silu_mul) {
-  const int tiles = static_cast<int>(gw / 16);
-  return silu_mul ? tiles / 2 : (tiles + 1) / 2;
-}
-
 // Rows [r0, r0 + rows) (r0 a multiple of 16) of the group at w, gw columns wide; meanwhile the
 // next_bytes that follow the group's weights (the next group this thread computes; 0: none) are
 // prefetched into L2, spread over the group's k steps (the hardware prefetchers, left to
@@ -235,7 +298,7 @@ void amx_group(const AmxRows& xs, int64_t r0, int64_t rows, const bf16* w, int64
   const int tiles = static_cast<int>(gw / 16);
   // Column-tile passes: plain, (0, 1), (2, 3) or a lone last tile; fused, gate tile j with up
   // tile j + tiles / 2, whose silu(gate) * up is output tile j.
-  const int npass = amx_passes(gw, kSiluMul);
+  const int npass = group_passes(gw, kSiluMul);  // as the decode-sized split deals them
   int passes[2][2];
   for (int j = 0; j < npass; ++j) {
     if constexpr (kSiluMul) passes[j][0] = j, passes[j][1] = j + tiles / 2;
@@ -318,9 +381,9 @@ void amx_group(const AmxRows& xs, int64_t r0, int64_t rows, const bf16* w, int64
 
 // Columns [g * 64, ...) of the group g; the last group may be 16, 32 or 48 wide.
 //
-// Below two row blocks (decodes, verification, short prompts) the groups (on AMX, their
-// half-group passes) are split between the threads up front: there a step is mostly the weights'
-// pass through the cores, and each thread streams its own contiguous half. From two row blocks
+// Below two row blocks (decodes, verification, short prompts) the groups' half-group passes are
+// split between the threads up front: there a step is mostly the weights' pass through the cores,
+// and each thread streams its own contiguous half. From two row blocks
 // on (prefill chunks) the work items are a block of rows times a run of groups, row blocks first,
 // dealt from a shared counter (the AVX2 kernel's scheme, linear_avx2.cpp): when one core is
 // slowed by something else (the server's Python thread, a benchmark client, a neighbour on the
@@ -346,8 +409,8 @@ void run(const at::Tensor& x, const at::Tensor& packed, int64_t n, int64_t k, co
   std::optional<AmxRows> amx_rows;
   if (amx) amx_rows.emplace(xp, ldx, m, k);
 #endif
-  // Rows [r0, r0 + rows) of group g; the thread's next group is g + 1 if g + 1 < g_end. On AMX,
-  // only the group's passes [p0, p1).
+  // Rows [r0, r0 + rows) of group g, its passes [p0, p1) (group_passes); the thread's next group
+  // is g + 1 if g + 1 < g_end.
   auto group = [&](int64_t g, int64_t r0, int64_t rows, int64_t g_end, int p0 = 0, int p1 = 2) {
     const int64_t col = g * kGroupCols;
     const int vecs = static_cast<int>(std::min<int64_t>(kGroupCols, n - col) / 16);
@@ -361,49 +424,33 @@ void run(const at::Tensor& x, const at::Tensor& packed, int64_t n, int64_t k, co
       return;
     }
 #endif
-    const bf16* xr = xp + r0 * ldx;
-    if constexpr (kSiluMul) {
-      bf16* yg = yp + r0 * ldy + col / 2;
-      if (vecs == 4) run_group<4, true>(xr, rows, ldx, wg, k_pairs, bg, yg, ldy);
-      else run_group<2, true>(xr, rows, ldx, wg, k_pairs, bg, yg, ldy);
-    } else {
-      bf16* yg = yp + r0 * ldy + col;
-      switch (vecs) {
-        case 4: run_group<4, false>(xr, rows, ldx, wg, k_pairs, bg, yg, ldy); break;
-        case 3: run_group<3, false>(xr, rows, ldx, wg, k_pairs, bg, yg, ldy); break;
-        case 2: run_group<2, false>(xr, rows, ldx, wg, k_pairs, bg, yg, ldy); break;
-        default: run_group<1, false>(xr, rows, ldx, wg, k_pairs, bg, yg, ldy); break;
-      }
-    }
+    vector_group<kSiluMul>(xp + r0 * ldx, rows, ldx, wg, vecs, p0, p1, k_pairs, bg,
+                           yp + r0 * ldy + (kSiluMul ? col / 2 : col), ldy);
   };
   if (m < kDealMinRows) {
     // One group is ~K * 128 bytes of weight and 2 * M * K * 64 flops; below ~2 groups per thread
     // of work for a tiny M the fork costs more than it saves, so let at::parallel_for decide.
     const int64_t grain = m * k >= 4096 ? 1 : 4;
+    // Split by the groups' passes (half a 64-column group each) rather than by groups: the
+    // projections of 9 and 15 groups (576 and 960 columns) split 5 / 4 and 8 / 7 by groups, and
+    // the thread with one group less waited at the join for a fifth and an eighth of the call
+    // (docs/measured/s47/gemm-split.txt, on AMX: 30 layers' projections 2-8% faster split by
+    // passes; s48 the vector path). Every group but the last has 2 passes; a thread's whole
+    // groups still run in one sweep each, so only a group the split cuts runs pass by pass.
+    // Which thread computes a column does not change its bits.
+    const int64_t last_w = n - (groups - 1) * kGroupCols;
+    const int64_t units = 2 * (groups - 1) + group_passes(std::min<int64_t>(kGroupCols, last_w), kSiluMul);
+    at::parallel_for(0, units, 2 * grain, [&](int64_t u0, int64_t u1) {
 #if SLUICE_HAVE_AMX
-    if (amx) {
-      // Split by amx_group's passes (half a 64-column group each) rather than by groups: the
-      // projections of 9 and 15 groups (576 and 960 columns) split 5 / 4 and 8 / 7 by groups,
-      // and the thread with one group less waited at the join for a fifth and an eighth of the
-      // call (docs/measured/s47/gemm-split.txt: 30 layers' projections 2-8% faster split by
-      // passes). Every group but the last has 2 passes; which thread computes a column does not
-      // change its bits.
-      const int64_t last_w = n - (groups - 1) * kGroupCols;
-      const int64_t units = 2 * (groups - 1) + amx_passes(std::min<int64_t>(kGroupCols, last_w), kSiluMul);
-      at::parallel_for(0, units, 2 * grain, [&](int64_t u0, int64_t u1) {
-        AmxTiles tiles;
-        const int64_t g_last = (u1 - 1) / 2;  // every unit of a group g is 2 g or 2 g + 1
-        for (int64_t g = u0 / 2; g <= g_last; ++g) {
-          const int p0 = static_cast<int>(std::max<int64_t>(u0 - 2 * g, 0));
-          const int p1 = static_cast<int>(std::min<int64_t>(u1 - 2 * g, 2));
-          group(g, 0, m, g_last + 1, p0, p1);
-        }
-      });
-      return;
-    }
+      std::optional<AmxTiles> tiles;
+      if (amx) tiles.emplace();
 #endif
-    at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
-      for (int64_t g = g0; g < g1; ++g) group(g, 0, m, g1);
+      const int64_t g_last = (u1 - 1) / 2;  // every unit of a group g is 2 g or 2 g + 1
+      for (int64_t g = u0 / 2; g <= g_last; ++g) {
+        const int p0 = static_cast<int>(std::max<int64_t>(u0 - 2 * g, 0));
+        const int p1 = static_cast<int>(std::min<int64_t>(u1 - 2 * g, 2));
+        group(g, 0, m, g_last + 1, p0, p1);
+      }
     });
     return;
   }
