@@ -287,8 +287,9 @@ struct Ops<bf16, D> {
       _mm512_store_si512(b.p[r] + 8 * t, (__m512i)_mm512_cvtne2ps_pbh(p[t + 1], p[t]));
   }
 
-  static void load_v(Buffers& b, const bf16* const* rows, int n) {
-    for (int j = 0; j < n; j += 2) {
+  // V rows of keys [j0, j1) (j0 even; a key past the chunk's end is a zero row) as key pairs.
+  static void load_v_pairs(Buffers& b, const bf16* const* rows, int j0, int j1) {
+    for (int j = j0; j < j1; j += 2) {
       for (int h = 0; h < D / 32; ++h) {
         const __m512i a = _mm512_loadu_si512(rows[j] + 32 * h);
         const __m512i c = _mm512_loadu_si512(rows[j + 1] + 32 * h);
@@ -296,9 +297,17 @@ struct Ops<bf16, D> {
         b.vp[j / 2][2 * h + 1] = _mm512_unpackhi_epi16(a, c);
       }
     }
-    // AMX multiplies all 32 pairs (by probability 0 past n): no stale NaN may sit there.
+  }
+
+  // AMX multiplies all 32 pairs (by probability 0 past n): no stale NaN may sit there.
+  static void zero_v_tail(Buffers& b, int n) {
     for (int jp = (n + 1) / 2; jp < kChunk / 2; ++jp)
       for (int c = 0; c < kVecs; ++c) b.vp[jp][c] = _mm512_setzero_si512();
+  }
+
+  static void load_v(Buffers& b, const bf16* const* rows, int n) {
+    load_v_pairs(b, rows, 0, n);
+    zero_v_tail(b, n);
   }
 
   // acc[r] = acc[r] * alpha[r] + sum_j p[r][j] v_j over the first n keys of the chunk, r in [begin, end).
@@ -508,13 +517,34 @@ struct ItemRunner {
         }
         const int r0 = hh * per_head, r1 = r0 + per_head;
         O::load_k(b, krows);
+        bool v_loaded = false;
         if constexpr (kAmxType) {
 #if SLUICE_HAVE_AMX
-          if (amx) O::scores_amx(b, r0, r1, [this] { prefetch_tick(); });
+          if (amx) {
+            // The V pairs are rearranged (vector work) a few keys per tile product of the scores,
+            // so that it runs while the tiles do instead of after them; the same values. A
+            // verification step is compute-bound here, not memory-bound (q = 9: 1.6-1.8x the
+            // K/V read's time; without the AMX products, or the softmax, or the V rearrangement it
+            // ran 1.2-1.4x), and this overlap made q = 9 4-10% faster at 2 threads. Interleaving
+            // the softmax of one row tile with the next tile's products as well did not help
+            // (docs/measured/s48/attention-overlap.txt).
+            const int score_ticks = (per_head + 15) / 16 * O::kAmxScoreTicks;
+            const int keys_per_tick = 2 * (((n + 1) / 2 + score_ticks - 1) / score_ticks);
+            int vj = 0;
+            O::scores_amx(b, r0, r1, [&] {
+              prefetch_tick();
+              const int end = std::min(n, vj + keys_per_tick);
+              O::load_v_pairs(b, vrows, vj, end);
+              vj = end;
+            });
+            O::load_v_pairs(b, vrows, vj, n);
+            O::zero_v_tail(b, n);
+            v_loaded = true;
+          }
 #endif
         }
         for_row_blocks<4>(r0, r1, [&]<int N>(int rb) { scores_softmax<N>(rb, start, n); });
-        O::load_v(b, vrows, n);
+        if (!v_loaded) O::load_v(b, vrows, n);
         if constexpr (kAmxType) {
 #if SLUICE_HAVE_AMX
           if (amx) {
