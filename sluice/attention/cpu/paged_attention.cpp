@@ -525,7 +525,7 @@ struct ItemRunner {
             // so that it runs while the tiles do instead of after them; the same values. A
             // verification step is compute-bound here, not memory-bound (q = 9: 1.6-1.8x the
             // K/V read's time; without the AMX products, or the softmax, or the V rearrangement it
-            // ran 1.2-1.4x), and this overlap made q = 9 4-10% faster at 2 threads. Interleaving
+            // ran 1.3-1.6x), and this overlap made q = 9 4-10% faster at 2 threads. Interleaving
             // the softmax of one row tile with the next tile's products as well did not help
             // (docs/measured/s48/attention-overlap.txt).
             const int score_ticks = (per_head + 15) / 16 * O::kAmxScoreTicks;
