@@ -157,55 +157,34 @@ inline int group_passes(int64_t gw, bool silu_mul) {
   return silu_mul ? vecs / 2 : (vecs + 1) / 2;
 }
 
-// Rows [0, m) of passes [p0, p1) of a group of `vecs` vectors on the AVX-512 path: the whole group
-// in one sweep when both of a 64-column group's passes are asked for (4 weight vectors per k pair
-// against each row's broadcast), else pass by pass. The sums are the same either way.
+// The 16-column vectors of pass p of a group of `vecs` vectors: plain (2p, 2p + 1), or 2p alone
+// (v[1] = -1) at a narrower group's end; fused, gate vector p and its up vector p + vecs / 2,
+// whose silu(gate) * up is output vector p.
+inline void pass_vectors(int vecs, bool silu_mul, int p, int (&v)[2]) {
+  if (silu_mul) v[0] = p, v[1] = p + vecs / 2;
+  else v[0] = 2 * p, v[1] = 2 * p + 1 < vecs ? 2 * p + 1 : -1;
+}
+
+// Rows [0, m) of passes [p0, p1) of a group of `vecs` vectors on the AVX-512 path: a whole
+// 64-column group in one sweep (4 weight vectors per k pair against each row's broadcast), else
+// pass by pass. The sums are the same either way.
 template <bool kSiluMul>
 void vector_group(const bf16* x, int64_t m, int64_t ldx, const bf16* w, int vecs, int p0, int p1, int64_t k_pairs,
                   const float* bias, bf16* y, int64_t ldy) {
   const int64_t ldw = 32 * vecs;
-  const int passes = group_passes(16 * vecs, kSiluMul);
-  p1 = std::min(p1, passes);
-  if (p0 == 0 && p1 == passes) {
-    // The whole group, as one sweep.
-    switch (vecs) {
-      case 4: {
-        constexpr int vi[4] = {0, 1, 2, 3};
-        run_group<4, kSiluMul>(x, m, ldx, w, ldw, vi, k_pairs, bias, y, ldy);
-        return;
-      }
-      case 3: {
-        if constexpr (!kSiluMul) {
-          constexpr int vi[3] = {0, 1, 2};
-          run_group<3, false>(x, m, ldx, w, ldw, vi, k_pairs, bias, y, ldy);
-          return;
-        }
-        break;
-      }
-      case 2: {
-        constexpr int vi[2] = {0, 1};
-        run_group<2, kSiluMul>(x, m, ldx, w, ldw, vi, k_pairs, bias, y, ldy);
-        return;
-      }
-      case 1: {
-        if constexpr (!kSiluMul) {
-          constexpr int vi[1] = {0};
-          run_group<1, false>(x, m, ldx, w, ldw, vi, k_pairs, bias, y, ldy);
-          return;
-        }
-        break;
-      }
-    }
+  if (vecs == 4 && p0 == 0 && p1 >= 2) {
+    constexpr int vi[4] = {0, 1, 2, 3};
+    run_group<4, kSiluMul>(x, m, ldx, w, ldw, vi, k_pairs, bias, y, ldy);
+    return;
   }
-  for (int p = p0; p < p1; ++p) {
-    if constexpr (kSiluMul) {
-      const int vi[2] = {p, p + vecs / 2};  // gate vector p and its up vector
-      run_group<2, true>(x, m, ldx, w, ldw, vi, k_pairs, bias, y, ldy);
-    } else if (2 * p + 1 < vecs) {
-      const int vi[2] = {2 * p, 2 * p + 1};
-      run_group<2, false>(x, m, ldx, w, ldw, vi, k_pairs, bias, y, ldy);
-    } else {
-      const int vi[1] = {2 * p};
+  for (int p = p0; p < std::min(p1, group_passes(16 * vecs, kSiluMul)); ++p) {
+    int v[2];
+    pass_vectors(vecs, kSiluMul, p, v);
+    if (v[1] >= 0) {
+      const int vi[2] = {v[0], v[1]};
+      run_group<2, kSiluMul>(x, m, ldx, w, ldw, vi, k_pairs, bias, y, ldy);
+    } else if constexpr (!kSiluMul) {
+      const int vi[1] = {v[0]};
       run_group<1, false>(x, m, ldx, w, ldw, vi, k_pairs, bias, y, ldy);
     }
   }
@@ -296,14 +275,8 @@ void amx_group(const AmxRows& xs, int64_t r0, int64_t rows, const bf16* w, int64
                bf16* y, int64_t ldy, int64_t next_bytes, int p_begin = 0, int p_end = 2) {
   alignas(64) float c[2][32 * 32];
   const int tiles = static_cast<int>(gw / 16);
-  // Column-tile passes: plain, (0, 1), (2, 3) or a lone last tile; fused, gate tile j with up
-  // tile j + tiles / 2, whose silu(gate) * up is output tile j.
-  const int npass = group_passes(gw, kSiluMul);  // as the decode-sized split deals them
-  int passes[2][2];
-  for (int j = 0; j < npass; ++j) {
-    if constexpr (kSiluMul) passes[j][0] = j, passes[j][1] = j + tiles / 2;
-    else passes[j][0] = 2 * j, passes[j][1] = 2 * j + 1 < tiles ? 2 * j + 1 : -1;
-  }
+  // Column-tile passes as pass_vectors gives them (a 16-column tile is a vector's columns).
+  const int npass = group_passes(gw, kSiluMul);
   // Passes [p_begin, p_end) of the group's: a decode-sized call splits the passes of all its
   // groups between the threads.
   p_end = std::min(p_end, npass);
@@ -348,7 +321,8 @@ void amx_group(const AmxRows& xs, int64_t r0, int64_t rows, const bf16* w, int64
   const int64_t k_steps = k / kTileK;
   int buffer = 0;
   for (int p = p_begin; p < p_end; ++p) {
-    const int ct[2] = {passes[p][0], passes[p][1]};
+    int ct[2];
+    pass_vectors(tiles, kSiluMul, p, ct);
     const bool two_cols = ct[1] >= 0;
     for (int64_t t = r0 / kTileRows; t < t_end; t += 2) {
       const bool two_rows = t + 1 < t_end;
@@ -383,13 +357,13 @@ void amx_group(const AmxRows& xs, int64_t r0, int64_t rows, const bf16* w, int64
 //
 // Below two row blocks (decodes, verification, short prompts) the groups' half-group passes are
 // split between the threads up front: there a step is mostly the weights' pass through the cores,
-// and each thread streams its own contiguous half. From two row blocks
-// on (prefill chunks) the work items are a block of rows times a run of groups, row blocks first,
-// dealt from a shared counter (the AVX2 kernel's scheme, linear_avx2.cpp): when one core is
-// slowed by something else (the server's Python thread, a benchmark client, a neighbour on the
-// host) the other takes more items instead of waiting at the join. A group's weight slice is
-// then read once per row block instead of once, from L3 at these sizes. Which item computes an
-// output does not change its bits: every row tile runs the same sums in the same order.
+// and each thread streams its own contiguous half. From two row blocks on (prefill chunks) the
+// work items are a block of rows times a run of groups, row blocks first, dealt from a shared
+// counter (the AVX2 kernel's scheme, linear_avx2.cpp): when one core is slowed by something else
+// (the server's Python thread, a benchmark client, a neighbour on the host) the other takes more
+// items instead of waiting at the join. A group's weight slice is then read once per row block
+// instead of once, from L3 at these sizes. Which item computes an output does not change its
+// bits: every row tile runs the same sums in the same order.
 constexpr int64_t kRowBlock = 96;  // 16 row tiles; x's block (<= 96 x 1536 bf16) stays in L2
 // Measured (docs/measured/s36/gemm-ab.txt: 30 layers' projections, 2 threads): with one core 30%
 // busy elsewhere, 200 / 336 / 512 rows ran 0-13% faster dealt than split up front; on idle cores

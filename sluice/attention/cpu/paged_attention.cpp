@@ -517,7 +517,6 @@ struct ItemRunner {
         }
         const int r0 = hh * per_head, r1 = r0 + per_head;
         O::load_k(b, krows);
-        bool v_loaded = false;
         if constexpr (kAmxType) {
 #if SLUICE_HAVE_AMX
           if (amx) {
@@ -539,20 +538,14 @@ struct ItemRunner {
             });
             O::load_v_pairs(b, vrows, vj, n);
             O::zero_v_tail(b, n);
-            v_loaded = true;
-          }
-#endif
-        }
-        for_row_blocks<4>(r0, r1, [&]<int N>(int rb) { scores_softmax<N>(rb, start, n); });
-        if (!v_loaded) O::load_v(b, vrows, n);
-        if constexpr (kAmxType) {
-#if SLUICE_HAVE_AMX
-          if (amx) {
+            for_row_blocks<4>(r0, r1, [&]<int N>(int rb) { scores_softmax<N>(rb, start, n); });
             O::accumulate_amx(b, r0, r1, alpha, acc, [this] { prefetch_tick(); });
             continue;
           }
 #endif
         }
+        for_row_blocks<4>(r0, r1, [&]<int N>(int rb) { scores_softmax<N>(rb, start, n); });
+        O::load_v(b, vrows, n);
         O::accumulate(b, vrows, n, r0, r1, alpha, acc, [this] { prefetch_tick(); });
       }
       prefetch_rest();
