@@ -195,6 +195,9 @@ class EngineConfig:
     num_threads: Optional[int] = None
     # Weights and KV cache on transparent huge pages where the kernel offers them (sluice/hugepages.py).
     huge_pages: bool = True
+    # "native": a GGUF file's Q4_1 linears stay in its 4-bit blocks in memory, which the CPU kernels
+    # dequantize as they compute (the same bf16 weights, bit for bit); "bf16": dequantized at load.
+    weight_format: str = "native"
     step_trace_path: Optional[str] = None  # append one JSON line per engine step (shape and timings)
     speculative: Optional[SpeculativeConfig] = None  # None: no speculative decoding
     # Steps that schedule nothing while requests are unfinished, for this long, end those requests
@@ -202,6 +205,8 @@ class EngineConfig:
     stall_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
+        if self.weight_format not in ("native", "bf16"):
+            raise ValueError(f"weight_format must be 'native' or 'bf16', not {self.weight_format!r}")
         if not self.stall_timeout_s > 0:
             raise ValueError("the stall timeout must be a positive number of seconds")
 

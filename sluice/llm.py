@@ -34,6 +34,7 @@ class LLM:
         max_state_snapshots: Optional[int] = None,    # hybrid models (see CacheConfig)
         speculative_config: Optional[dict] = None,    # e.g. {"method": "ngram"}; see SpeculativeConfig
         huge_pages: bool = True,                      # weights and KV cache on transparent huge pages
+        weight_format: str = "native",                # a GGUF's Q4_1 linears kept 4-bit ("bf16": dequantized)
     ) -> None:
         path: Path = resolve_model_path(model)
         cfg = load_model_config(path)
@@ -51,6 +52,7 @@ class LLM:
             seed=seed,
             attention_backend=attention_backend,
             huge_pages=huge_pages,
+            weight_format=weight_format,
             speculative=SpeculativeConfig.from_dict(speculative_config) if speculative_config is not None else None,
         ))
         self.tokenizer = self.engine.tokenizer

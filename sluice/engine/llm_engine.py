@@ -93,7 +93,7 @@ class LLMEngine:
                         plan.state.num_snapshots, plan.bytes_per_state / (1 << 20), plan.state_bytes / (1 << 30))
         t0 = time.perf_counter()
         model = load_model(Path(path), config.model, config.dtype, create_backend(config.attention_backend),
-                           huge_pages=config.huge_pages)
+                           huge_pages=config.huge_pages, weight_format=config.weight_format)
         logger.info("loaded %s (%s) in %.1fs", path, config.model.architecture, time.perf_counter() - t0)
         self.cache_plan = plan
         self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks, clock, plan.state,

@@ -101,9 +101,14 @@ def _iter_safetensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def load_model(path: Path, cfg: ModelConfig, dtype: torch.dtype, backend: AttentionBackend,
-               huge_pages: bool = False) -> nn.Module:
+               huge_pages: bool = False, weight_format: str = "native") -> nn.Module:
     """Build the model in `dtype` and stream the checkpoint into it, one tensor at a time; with
-    `huge_pages`, the weights end on transparent huge pages (sluice/hugepages.py)."""
+    `huge_pages`, the weights end on transparent huge pages (sluice/hugepages.py). With
+    `weight_format` "native", the packed linears of a GGUF file's Q4_1 tensors keep its 4-bit
+    blocks (where the CPU kernels compute from them: the same bf16 weights, read from a quarter of
+    the memory); "bf16" dequantizes every weight at load."""
+    if weight_format not in ("native", "bf16"):
+        raise ValueError(f"weight_format must be 'native' or 'bf16', not {weight_format!r}")
     prev = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -125,10 +130,44 @@ def load_model(path: Path, cfg: ModelConfig, dtype: torch.dtype, backend: Attent
     if dtype == torch.bfloat16 and getattr(backend, "name", None) == "cpu":
         from sluice.model.packed_linear import use_cpu_kernels
 
+        if weight_format == "native" and _is_gguf(path) and torch.ops.sluice.linear_q4_supported():
+            _attach_q4_1(model, read_gguf(path))
+
         use_cpu_kernels(model, huge_pages)  # the cpu backend's extension also holds linear, norm and rotary kernels
     elif huge_pages:
         hugepages.move_module(model)
     return model.eval()
+
+
+def _attach_q4_1(model: nn.Module, ckpt) -> None:
+    """Give each linear whose every weight row is a Q4_1 tensor's (or, fused, several tensors')
+    the blocks of those rows, as `q4_1` ([out, in / 32, 20] uint8, rows in the weight's order),
+    for `pack_linear_layers`."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    parts: dict[str, list[tuple[tuple, torch.Tensor]]] = {}
+    for name, blocks in ckpt.iter_q4_1():
+        target = model._target(name, params)
+        if target is None:
+            continue
+        pname, index = target
+        parts.setdefault(pname, []).append((index, blocks))
+    for pname, pieces in parts.items():
+        module_name, _, leaf = pname.rpartition(".")
+        module = model.get_submodule(module_name)
+        weight = params[pname]
+        if leaf != "weight" or type(module) is not nn.Linear or weight.dim() != 2 or weight.shape[1] % 32:
+            continue
+        full = torch.empty(weight.shape[0], weight.shape[1] // 32, 20, dtype=torch.uint8)
+        covered = torch.zeros(weight.shape[0], dtype=torch.bool)
+        for index, blocks in pieces:
+            if len(index) > 1 or (index and not isinstance(index[0], slice)):
+                break   # experts: not a plain linear
+            rows = index[0] if index else slice(0, weight.shape[0])
+            full[rows] = blocks
+            covered[rows] = True
+        else:
+            if bool(covered.all()):
+                module.q4_1 = full
 
 
 def _rebuild_buffers(model: nn.Module, cfg: ModelConfig) -> None:

@@ -44,6 +44,46 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     return torch.cat(parts).contiguous()
 
 
+def q4_1_values(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """GGUF Q4_1 blocks [N, K / 32, 20] (uint8: fp16 d, fp16 m, 16 bytes of 4-bit q: k 0-15 in the
+    low nibbles, 16-31 in the high ones) -> d [N, K / 32] and m (fp16), q [N, K] (uint8, 0-15)."""
+    n, kb, width = blocks.shape
+    if blocks.dtype != torch.uint8 or width != 20:
+        raise ValueError(f"Q4_1 blocks must be uint8 [N, K / 32, 20], not {blocks.dtype} {tuple(blocks.shape)}")
+    blocks = blocks.contiguous()
+    d = blocks[:, :, 0:2].contiguous().view(torch.float16).reshape(n, kb)
+    m = blocks[:, :, 2:4].contiguous().view(torch.float16).reshape(n, kb)
+    qs = blocks[:, :, 4:20]
+    q = torch.stack((qs & 0xF, qs >> 4), dim=2).reshape(n, kb * 32)
+    return d, m, q
+
+
+def dequantize_q4_1(blocks: torch.Tensor) -> torch.Tensor:
+    """Q4_1 blocks [N, K / 32, 20] -> float32 [N, K], as gguf computes it: d * q + m in float32."""
+    d, m, q = q4_1_values(blocks)
+    n, kb = d.shape
+    w = d.float().reshape(n, kb, 1) * q.reshape(n, kb, 32).float() + m.float().reshape(n, kb, 1)
+    return w.reshape(n, kb * 32)
+
+
+def pack_q4_1(blocks: torch.Tensor) -> torch.Tensor:
+    """Q4_1 blocks [N, K / 32, 20] of a weight [N, K] -> the kernel's packed Q4_1 layout (uint8, flat;
+    linear_common.h): per 16-column vector, per block of 32 k, the 16 columns' d and m, then per k
+    pair 16 bytes whose low nibbles are columns 0-7's (k, k + 1) pairs and high nibbles 8-15's."""
+    d, m, q = q4_1_values(blocks)
+    n, kb = d.shape
+    if n % 16:
+        raise ValueError(f"cannot pack {n} rows as Q4_1 (a multiple of 16 needed)")
+    v = n // 16
+    # q[n, k] -> [vector, column in vector, block, k pair in block, parity]
+    q5 = q.reshape(v, 16, kb, 16, 2)
+    lo = q5[:, :8].permute(0, 2, 3, 1, 4).reshape(v, kb, 16, 16)   # [vector, block, pair, lane]
+    hi = q5[:, 8:].permute(0, 2, 3, 1, 4).reshape(v, kb, 16, 16)
+    nibbles = (lo | (hi << 4)).reshape(v, kb, 256)
+    scales = [t.reshape(v, 16, kb).permute(0, 2, 1).contiguous().view(torch.uint8).reshape(v, kb, 32) for t in (d, m)]
+    return torch.cat([scales[0], scales[1], nibbles], dim=2).reshape(-1).contiguous()
+
+
 def gate_up_order(n: int) -> torch.Tensor:
     """Row order of a [gate; up] projection (each n / 2 rows) for the fused kernel: every packed
     group holds 32 gate rows then the 32 matching up rows (16 and 16 in a last, narrower group)."""
@@ -63,7 +103,8 @@ class PackedLinear(nn.Module):
     I wide (what `silu_and_mul(linear(x))` computes, with both halves rounded to bf16 first).
     """
 
-    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor], silu_mul: bool = False) -> None:
+    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor], silu_mul: bool = False,
+                 q4_1: Optional[torch.Tensor] = None) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.silu_mul = silu_mul
@@ -73,7 +114,19 @@ class PackedLinear(nn.Module):
             order = gate_up_order(self.out_features)
             weight = weight[order]
             bias = bias[order] if bias is not None else None
-        self.register_buffer("packed", pack_weight(weight.detach()), persistent=False)
+            q4_1 = q4_1[order] if q4_1 is not None else None
+        packed = pack_weight(weight.detach())
+        self.format = "bf16"
+        if q4_1 is not None:
+            q4 = pack_q4_1(q4_1)
+            # Only where the kernel's dequantization gives these very weights, bit for bit.
+            unpacked = torch.ops.sluice.linear_q4_unpack(q4, self.out_features, self.in_features)
+            if torch.equal(unpacked.view(torch.int16), packed.view(torch.int16)):
+                packed, self.format = q4, "q4_1"
+            else:
+                logger.warning("Q4_1 blocks of a %s linear do not dequantize to its bf16 weight; kept bf16",
+                               tuple(weight.shape))
+        self.register_buffer("packed", packed, persistent=False)
         self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous(), persistent=False)
         self._op = torch.ops.sluice.linear_bf16_silu_mul if silu_mul else torch.ops.sluice.linear_bf16
 
@@ -86,7 +139,8 @@ class PackedLinear(nn.Module):
         return y.reshape(*lead, y.shape[-1])
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, silu_mul={self.silu_mul}"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, silu_mul={self.silu_mul}, "
+                f"format={self.format}")
 
 
 def use_cpu_kernels(model: nn.Module, huge_pages: bool = False) -> int:
@@ -124,9 +178,12 @@ def pack_linear_layers(model: nn.Module) -> int:
             if type(child) is not nn.Linear or not can_pack(child.weight):
                 continue
             fuse = isinstance(parent, LlamaMLP) and name == "gate_up_proj" and child.out_features % 32 == 0
-            setattr(parent, name, PackedLinear(child.weight, child.bias, silu_mul=fuse))
+            # A GGUF's Q4_1 blocks of this weight, where the loader kept them (loader._attach_q4_1).
+            q4_1 = getattr(child, "q4_1", None)
+            setattr(parent, name, PackedLinear(child.weight, child.bias, silu_mul=fuse, q4_1=q4_1))
             if fuse:
                 parent.gate_up_applies_act = True
             swapped += 1
-    logger.info("packed %d linear layers for the cpu kernel", swapped)
+    q4 = sum(1 for m in model.modules() if isinstance(m, PackedLinear) and m.format == "q4_1")
+    logger.info("packed %d linear layers for the cpu kernel (%d from Q4_1 blocks)", swapped, q4)
     return swapped

@@ -26,6 +26,11 @@
 // `vdpbf16ps` (not the same bits), so where it is on it computes every row count of a layer, from
 // one row up: a row's bits never depend on the rows beside it (speculative verification relies on
 // that). Layers whose K is not a multiple of 32 stay on the AVX-512 path. The switch is amx.h's.
+//
+// Q4_1 weights (a GGUF's 4-bit blocks, kept as they are: linear_common.h's packed uint8 layout)
+// are dequantized a group at a time into the thread's buffer, in the bf16 layout above, and the
+// same code computes from it: the bits are those of the bf16 weights the file dequantizes to,
+// while a step reads 0.625 bytes a weight from memory instead of 2.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -191,6 +196,60 @@ void vector_group(const bf16* x, int64_t m, int64_t ldx, const bf16* w, int vecs
 }
 
 
+// ---- Q4_1 -------------------------------------------------------------------------------------
+
+// One Q4_1 vector block (linear_common.h: 16 columns x 32 k, kQ4VectorBlock bytes) into the bf16
+// packed layout at dst (its first k pair; k pairs ldw elements apart). A lane's weight is
+// d * q + m in float32, as gguf's dequantization computes it (d * q is exact: an 11-bit
+// significand times 4 bits, so one fused rounding is the same as its two), then rounded to bf16
+// to nearest even, as torch's conversion does: the bf16 weight the file dequantizes to.
+inline void dequant_q4_block(const uint8_t* blk, bf16* dst, int64_t ldw) {
+  // Lanes of a k pair's vector: (column i / 2, k parity i % 2) for columns 0-7, then 8-15.
+  const __m512i lo_cols = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+  const __m512i hi_cols = _mm512_add_epi32(lo_cols, _mm512_set1_epi32(8));
+  const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk)));
+  const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32)));
+  const __m512 d_lo = _mm512_permutexvar_ps(lo_cols, d), d_hi = _mm512_permutexvar_ps(hi_cols, d);
+  const __m512 m_lo = _mm512_permutexvar_ps(lo_cols, m), m_hi = _mm512_permutexvar_ps(hi_cols, m);
+  // q as float32 by table: vpermps reads only an index's low 4 bits, which are a byte's low nibble,
+  // and, shifted, its high one (one shuffle each instead of a mask and a conversion).
+  const __m512 values = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  const uint8_t* q = blk + 64;
+  for (int p = 0; p < 16; ++p) {
+    const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16 * p)));
+    const __m512 lo = _mm512_fmadd_ps(_mm512_permutexvar_ps(v, values), d_lo, m_lo);
+    const __m512 hi = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), values), d_hi, m_hi);
+    _mm512_storeu_si512(dst + p * ldw, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+  }
+}
+
+// The 16-column vectors vi (-1: none) of the group whose first vector's blocks are at q4 (vecs
+// vectors, k_blocks blocks each, one vector's blocks contiguous) into buf, the group's bf16
+// packed layout (ldw = 32 vecs elements a k pair).
+inline void dequant_q4_vectors(const uint8_t* q4, int vecs, const int* vi, int count, int64_t k_blocks, bf16* buf) {
+  const int64_t ldw = 32 * vecs;
+  for (int j = 0; j < count; ++j) {
+    if (vi[j] < 0) continue;
+    const uint8_t* src = q4 + vi[j] * k_blocks * sluice_linear::kQ4VectorBlock;
+    for (int64_t b = 0; b < k_blocks; ++b) {
+      const uint8_t* blk = src + b * sluice_linear::kQ4VectorBlock;
+      _mm_prefetch(reinterpret_cast<const char*>(blk) + 4 * sluice_linear::kQ4VectorBlock, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(blk) + 4 * sluice_linear::kQ4VectorBlock + 64, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(blk) + 4 * sluice_linear::kQ4VectorBlock + 128, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(blk) + 4 * sluice_linear::kQ4VectorBlock + 192, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(blk) + 4 * sluice_linear::kQ4VectorBlock + 256, _MM_HINT_T0);
+      dequant_q4_block(blk, buf + b * 16 * ldw + 32 * vi[j], ldw);
+    }
+  }
+}
+
+// The thread's buffer for a dequantized group (k x 64 bf16 at most), kept between calls.
+inline bf16* q4_buffer(int64_t k) {
+  static thread_local std::vector<bf16> buffer;
+  if (static_cast<int64_t>(buffer.size()) < k * kGroupCols) buffer.resize(k * kGroupCols);
+  return buffer.data();
+}
+
 // ---- AMX ---------------------------------------------------------------------------------------
 
 #if SLUICE_HAVE_AMX
@@ -211,9 +270,14 @@ struct Prefetch {
 // c[16 r + i][16 v + j] (ld 32 floats) = sum over K of a_r[i][:] * column (16 ct[v] + j) of the
 // group at w (gw columns wide), for kR row tiles and kV column tiles; tick() runs once per k step
 // (vector work that overlaps the tiles': prefetches, the previous block's epilogue).
+//
+// With q4 (the group's Q4_1 vectors, linear_common.h; w unused) each k step's B tiles are
+// dequantized first, a Q4_1 block each, into a 1 KiB buffer the tile loads then read from L1.
 template <int kR, int kV, class Tick>
 inline void amx_block(const bf16* const (&a)[2], const int64_t (&lda_bytes)[2], const bf16* w, int64_t gw, int64_t k,
-                      const int (&ct)[2], float* c, Tick& tick) {
+                      const int (&ct)[2], float* c, Tick& tick, const uint8_t* q4 = nullptr) {
+  alignas(64) bf16 bq[2][16 * 32];
+  const int64_t q4_vector = k / sluice_linear::kQ4BlockK * sluice_linear::kQ4VectorBlock;
   _tile_zero(0);
   if constexpr (kV > 1) _tile_zero(1);
   if constexpr (kR > 1) {
@@ -222,10 +286,25 @@ inline void amx_block(const bf16* const (&a)[2], const int64_t (&lda_bytes)[2], 
   }
   const int64_t ldb_bytes = gw * 4;
   for (int64_t k0 = 0; k0 < k; k0 += kTileK) {
-    const bf16* wk = w + k0 * gw;  // k pair k0 / 2: (k0 / 2) * gw * 2 elements
     _tile_loadd(4, a[0] + k0, lda_bytes[0]);
-    _tile_loadd(6, wk + 32 * ct[0], ldb_bytes);
-    if constexpr (kV > 1) _tile_loadd(7, wk + 32 * ct[1], ldb_bytes);
+    if (q4) {
+      const int64_t blk = k0 / sluice_linear::kQ4BlockK * sluice_linear::kQ4VectorBlock;
+      for (int v = 0; v < kV; ++v) {
+        const uint8_t* src = q4 + ct[v] * q4_vector + blk;
+        _mm_prefetch(reinterpret_cast<const char*>(src) + 8 * sluice_linear::kQ4VectorBlock, _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(src) + 8 * sluice_linear::kQ4VectorBlock + 64, _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(src) + 8 * sluice_linear::kQ4VectorBlock + 128, _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(src) + 8 * sluice_linear::kQ4VectorBlock + 192, _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(src) + 8 * sluice_linear::kQ4VectorBlock + 256, _MM_HINT_T0);
+        dequant_q4_block(src, bq[v], 32);
+      }
+      _tile_loadd(6, bq[0], 64);
+      if constexpr (kV > 1) _tile_loadd(7, bq[1], 64);
+    } else {
+      const bf16* wk = w + k0 * gw;  // k pair k0 / 2: (k0 / 2) * gw * 2 elements
+      _tile_loadd(6, wk + 32 * ct[0], ldb_bytes);
+      if constexpr (kV > 1) _tile_loadd(7, wk + 32 * ct[1], ldb_bytes);
+    }
     _tile_dpbf16ps(0, 4, 6);
     if constexpr (kV > 1) _tile_dpbf16ps(1, 4, 7);
     if constexpr (kR > 1) {
@@ -272,7 +351,7 @@ struct AmxRows {
 // themselves, streamed a decode step's weights at ~2/3 of the read bandwidth).
 template <bool kSiluMul>
 void amx_group(const AmxRows& xs, int64_t r0, int64_t rows, const bf16* w, int64_t gw, int64_t k, const float* bias,
-               bf16* y, int64_t ldy, int64_t next_bytes, int p_begin = 0, int p_end = 2) {
+               bf16* y, int64_t ldy, int64_t next_bytes, int p_begin = 0, int p_end = 2, const uint8_t* q4 = nullptr) {
   alignas(64) float c[2][32 * 32];
   const int tiles = static_cast<int>(gw / 16);
   // Column-tile passes as pass_vectors gives them (a 16-column tile is a vector's columns).
@@ -330,11 +409,11 @@ void amx_group(const AmxRows& xs, int64_t r0, int64_t rows, const bf16* w, int64
       const int64_t lda[2] = {xs.ld_bytes(t), two_rows ? xs.ld_bytes(t + 1) : 0};
       float* cb = c[buffer];
       if (two_rows) {
-        if (two_cols) amx_block<2, 2>(a, lda, w, gw, k, ct, cb, tick);
-        else amx_block<2, 1>(a, lda, w, gw, k, ct, cb, tick);
+        if (two_cols) amx_block<2, 2>(a, lda, w, gw, k, ct, cb, tick, q4);
+        else amx_block<2, 1>(a, lda, w, gw, k, ct, cb, tick, q4);
       } else {
-        if (two_cols) amx_block<1, 2>(a, lda, w, gw, k, ct, cb, tick);
-        else amx_block<1, 1>(a, lda, w, gw, k, ct, cb, tick);
+        if (two_cols) amx_block<1, 2>(a, lda, w, gw, k, ct, cb, tick, q4);
+        else amx_block<1, 1>(a, lda, w, gw, k, ct, cb, tick, q4);
       }
       epilogue_rows(pending.nrows);  // whatever the block's k steps left of the previous one
       const int64_t row0 = t * kTileRows;
@@ -376,7 +455,11 @@ void run(const at::Tensor& x, const at::Tensor& packed, int64_t n, int64_t k, co
   const int64_t m = x.size(0), ldx = x.stride(0), ldy = y.stride(0), k_pairs = k / 2;
   const int64_t groups = (n + kGroupCols - 1) / kGroupCols;
   const bf16* xp = reinterpret_cast<const bf16*>(x.data_ptr<c10::BFloat16>());
-  const bf16* wp = reinterpret_cast<const bf16*>(packed.data_ptr<c10::BFloat16>());
+  // Q4_1 (uint8) or bf16 packed weights.
+  const bool q4 = packed.scalar_type() == at::kByte;
+  const uint8_t* q4p = q4 ? packed.data_ptr<uint8_t>() : nullptr;
+  const int64_t k_blocks = k / sluice_linear::kQ4BlockK;
+  const bf16* wp = q4 ? nullptr : reinterpret_cast<const bf16*>(packed.data_ptr<c10::BFloat16>());
   bf16* yp = reinterpret_cast<bf16*>(y.data_ptr<c10::BFloat16>());
 #if SLUICE_HAVE_AMX
   const bool amx = k % kTileK == 0 && sluice_amx::on();
@@ -388,13 +471,29 @@ void run(const at::Tensor& x, const at::Tensor& packed, int64_t n, int64_t k, co
   auto group = [&](int64_t g, int64_t r0, int64_t rows, int64_t g_end, int p0 = 0, int p1 = 2) {
     const int64_t col = g * kGroupCols;
     const int vecs = static_cast<int>(std::min<int64_t>(kGroupCols, n - col) / 16);
-    const bf16* wg = wp + col * k;
+    const bf16* wg = q4 ? nullptr : wp + col * k;
     const float* bg = bias ? bias + col : nullptr;
+    const uint8_t* q4g = q4 ? q4p + (col / 16) * k_blocks * sluice_linear::kQ4VectorBlock : nullptr;
+#if SLUICE_HAVE_AMX
+    // Up to two row tiles on AMX: each k step's B tiles dequantized as the tiles need them.
+    const bool q4_fused = q4 && amx && rows <= 2 * kTileRows;
+#else
+    const bool q4_fused = false;
+#endif
+    if (q4 && !q4_fused) {  // the vectors of passes [p0, p1) into the thread's buffer, computed from there
+      bf16* buf = q4_buffer(k);
+      for (int p = p0; p < std::min(p1, group_passes(16 * vecs, kSiluMul)); ++p) {
+        int v[2];
+        pass_vectors(vecs, kSiluMul, p, v);
+        dequant_q4_vectors(q4g, vecs, v, 2, k_blocks, buf);
+      }
+      wg = buf;
+    }
 #if SLUICE_HAVE_AMX
     if (amx) {
-      const int64_t next_bytes = g + 1 < g_end ? std::min<int64_t>(kGroupCols, n - col - kGroupCols) * k * 2 : 0;
+      const int64_t next_bytes = !q4 && g + 1 < g_end ? std::min<int64_t>(kGroupCols, n - col - kGroupCols) * k * 2 : 0;
       amx_group<kSiluMul>(*amx_rows, r0, rows, wg, 16 * vecs, k, bg, yp + r0 * ldy + (kSiluMul ? col / 2 : col), ldy,
-                          next_bytes, p0, p1);
+                          next_bytes, p0, p1, q4_fused ? q4g : nullptr);
       return;
     }
 #endif
@@ -457,6 +556,19 @@ void run(const at::Tensor& x, const at::Tensor& packed, int64_t n, int64_t k, co
 }
 
 struct Avx512 {
+  static constexpr bool kQ4 = true;
+  static void q4_unpack(const uint8_t* q4, int64_t n, int64_t k, c10::BFloat16* out) {
+    const int64_t groups = (n + kGroupCols - 1) / kGroupCols, k_blocks = k / sluice_linear::kQ4BlockK;
+    at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+      for (int64_t g = g0; g < g1; ++g) {
+        const int64_t col = g * kGroupCols;
+        const int vecs = static_cast<int>(std::min<int64_t>(kGroupCols, n - col) / 16);
+        const int vi[4] = {0, 1, 2, 3};
+        dequant_q4_vectors(q4 + (col / 16) * k_blocks * sluice_linear::kQ4VectorBlock, vecs, vi, vecs, k_blocks,
+                           reinterpret_cast<bf16*>(out) + col * k);
+      }
+    });
+  }
   static bool set_amx(bool enable) { return sluice_amx::set(enable); }
   static bool amx_enabled() { return sluice_amx::on(); }
   template <bool kSiluMul>
