@@ -34,6 +34,8 @@ def main() -> None:
     ap.add_argument("--scatter", action="store_true",
                     help="shuffle the free block queue first, so that a sequence's blocks lie scattered "
                          "over the cache as in a server that has run for a while")
+    ap.add_argument("--weight-format", choices=("native", "bf16"), default="native",
+                    help="a GGUF's Q4_1 linears kept 4-bit (native) or dequantized to bf16 at load")
     ap.add_argument("--no-huge-pages", dest="huge_pages", action="store_false",
                     help="weights and KV cache on ordinary pages (sluice/hugepages.py)")
     args = ap.parse_args()
@@ -41,7 +43,8 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     llm = LLM(args.model, dtype=args.dtype, max_model_len=4096, kv_cache_tokens=32 * 2304 + 4096,
               max_num_seqs=64, max_num_batched_tokens=2048, enable_prefix_caching=False,
-              attention_backend=args.backend, block_size=args.block_size, huge_pages=args.huge_pages)
+              attention_backend=args.backend, block_size=args.block_size, huge_pages=args.huge_pages,
+              weight_format=args.weight_format)
     eng = llm.engine
     if args.scatter:
         import random

@@ -63,10 +63,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="keep weights and KV cache on ordinary pages (default: transparent huge pages "
                         "where the kernel offers them)")
     p.add_argument("--weight-format", choices=("native", "bf16"), default="native",
-                   help="native: a GGUF file's Q4_1 linear weights stay 4-bit in memory and the CPU kernels "
-                        "dequantize them as they compute (the same bf16 values, so the same outputs, from "
-                        "under a third of the memory traffic); bf16: dequantize every weight at load "
-                        "(default native)")
+                   help="native: a GGUF file's Q4_1 / Q8_0 weights of linear layers stay in their blocks in "
+                        "memory and the CPU kernels dequantize them as they compute (the same bf16 values, so "
+                        "the same outputs, from under a third of the memory traffic); bf16: dequantize every "
+                        "weight at load (default native)")
     p.add_argument("--step-trace", default=None, metavar="PATH",
                    help="append one JSON line per engine step: its batch shape and where its time went")
     p.add_argument("--speculative-config", default=DEFAULT_SPECULATIVE, metavar="JSON",

@@ -441,19 +441,23 @@ class GGUFCheckpoint:
             yield entry.hf_name, torch.from_numpy(w).to(dtype)
 
 
-    def iter_q4_1(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Yield `(hf_name, blocks)` for every Q4_1 tensor: its blocks as stored, uint8
-        [rows, in / 32, 20] (fp16 d, fp16 m, 16 bytes of 4-bit q), rows in the order `iter_tensors`
-        gives them (q_proj/k_proj un-permuted), so that block [r, b] dequantizes to row r's
-        columns [32 b, 32 b + 32) of that tensor."""
+    # GGUF block types a packed linear can keep (sluice/model/packed_linear.py's BLOCK_FORMATS).
+    _BLOCK_TYPES = {GGMLQuantizationType.Q4_1: ("q4_1", 20), GGMLQuantizationType.Q8_0: ("q8_0", 34)}
+
+    def iter_blocks(self) -> Iterator[tuple[str, str, torch.Tensor]]:
+        """Yield `(hf_name, kind, blocks)` for every 2-D Q4_1 ("q4_1") or Q8_0 ("q8_0") tensor: its
+        blocks as stored, uint8 [rows, in / 32, block bytes], rows in the order `iter_tensors` gives
+        them (q_proj/k_proj un-permuted), so that block [r, b] dequantizes to row r's columns
+        [32 b, 32 b + 32) of that tensor."""
         for entry in self._entries:
-            if entry.info.qtype != GGMLQuantizationType.Q4_1 or len(entry.info.dims) != 2:
+            if entry.info.qtype not in self._BLOCK_TYPES or len(entry.info.dims) != 2:
                 continue
+            kind, width = self._BLOCK_TYPES[entry.info.qtype]
             rows, cols = entry.info.dims
-            blocks = self._file.raw(entry.info).reshape(rows, cols // 32, 20)
+            blocks = self._file.raw(entry.info).reshape(rows, cols // 32, width)
             if entry.rotary_heads is not None:
                 blocks = _unpermute_rotary(blocks, entry.rotary_heads)
-            yield entry.hf_name, torch.from_numpy(np.array(blocks))  # a copy: the map is read-only
+            yield entry.hf_name, kind, torch.from_numpy(np.array(blocks))  # a copy: the map is read-only
 
 
 def read_gguf(path: str | Path) -> GGUFCheckpoint:

@@ -104,9 +104,9 @@ def load_model(path: Path, cfg: ModelConfig, dtype: torch.dtype, backend: Attent
                huge_pages: bool = False, weight_format: str = "native") -> nn.Module:
     """Build the model in `dtype` and stream the checkpoint into it, one tensor at a time; with
     `huge_pages`, the weights end on transparent huge pages (sluice/hugepages.py). With
-    `weight_format` "native", the packed linears of a GGUF file's Q4_1 tensors keep its 4-bit
-    blocks (where the CPU kernels compute from them: the same bf16 weights, read from a quarter of
-    the memory); "bf16" dequantizes every weight at load."""
+    `weight_format` "native", the packed linears of a GGUF file's Q4_1 and Q8_0 tensors keep its
+    blocks (where the CPU kernels compute from them: the same bf16 weights, read from a third to a
+    half of the memory); "bf16" dequantizes every weight at load."""
     if weight_format not in ("native", "bf16"):
         raise ValueError(f"weight_format must be 'native' or 'bf16', not {weight_format!r}")
     prev = torch.get_default_dtype()
@@ -130,8 +130,8 @@ def load_model(path: Path, cfg: ModelConfig, dtype: torch.dtype, backend: Attent
     if dtype == torch.bfloat16 and getattr(backend, "name", None) == "cpu":
         from sluice.model.packed_linear import use_cpu_kernels
 
-        if weight_format == "native" and _is_gguf(path) and torch.ops.sluice.linear_q4_supported():
-            _attach_q4_1(model, read_gguf(path))
+        if weight_format == "native" and _is_gguf(path) and torch.ops.sluice.linear_blocks_supported():
+            _attach_blocks(model, read_gguf(path))
 
         use_cpu_kernels(model, huge_pages)  # the cpu backend's extension also holds linear, norm and rotary kernels
     elif huge_pages:
@@ -139,27 +139,34 @@ def load_model(path: Path, cfg: ModelConfig, dtype: torch.dtype, backend: Attent
     return model.eval()
 
 
-def _attach_q4_1(model: nn.Module, ckpt) -> None:
-    """Give each linear whose every weight row is a Q4_1 tensor's (or, fused, several tensors')
-    the blocks of those rows, as `q4_1` ([out, in / 32, 20] uint8, rows in the weight's order),
-    for `pack_linear_layers`."""
+def _attach_blocks(model: nn.Module, ckpt) -> None:
+    """Give each linear whose every weight row is a Q4_1 or Q8_0 tensor's (or, fused, several
+    tensors' of one kind) those rows' blocks, as `gguf_blocks` = (kind, [out, in / 32, bytes] uint8,
+    rows in the weight's order), for `pack_linear_layers`. A tied LM head gets the embedding's."""
     params = dict(model.named_parameters(remove_duplicate=False))
-    parts: dict[str, list[tuple[tuple, torch.Tensor]]] = {}
-    for name, blocks in ckpt.iter_q4_1():
+    parts: dict[str, list[tuple[tuple, str, torch.Tensor]]] = {}
+    for name, kind, blocks in ckpt.iter_blocks():
         target = model._target(name, params)
         if target is None:
             continue
         pname, index = target
-        parts.setdefault(pname, []).append((index, blocks))
+        parts.setdefault(pname, []).append((index, kind, blocks))
+    lm_head = getattr(model, "lm_head", None)
+    embed = getattr(model, "embed_tokens", None)
     for pname, pieces in parts.items():
         module_name, _, leaf = pname.rpartition(".")
         module = model.get_submodule(module_name)
+        if embed is not None and module is embed and lm_head is not None and lm_head.weight is embed.weight:
+            module = lm_head   # tied: the LM head is the linear that reads these blocks
         weight = params[pname]
-        if leaf != "weight" or type(module) is not nn.Linear or weight.dim() != 2 or weight.shape[1] % 32:
+        kinds = {kind for _, kind, _ in pieces}
+        if leaf != "weight" or type(module) is not nn.Linear or weight.dim() != 2 or weight.shape[1] % 32 \
+                or len(kinds) != 1:
             continue
-        full = torch.empty(weight.shape[0], weight.shape[1] // 32, 20, dtype=torch.uint8)
+        (kind,) = kinds
+        full = torch.empty(weight.shape[0], weight.shape[1] // 32, pieces[0][2].shape[2], dtype=torch.uint8)
         covered = torch.zeros(weight.shape[0], dtype=torch.bool)
-        for index, blocks in pieces:
+        for index, _, blocks in pieces:
             if len(index) > 1 or (index and not isinstance(index[0], slice)):
                 break   # experts: not a plain linear
             rows = index[0] if index else slice(0, weight.shape[0])
@@ -167,7 +174,7 @@ def _attach_q4_1(model: nn.Module, ckpt) -> None:
             covered[rows] = True
         else:
             if bool(covered.all()):
-                module.q4_1 = full
+                module.gguf_blocks = (kind, full)
 
 
 def _rebuild_buffers(model: nn.Module, cfg: ModelConfig) -> None:

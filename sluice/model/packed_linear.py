@@ -44,44 +44,64 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     return torch.cat(parts).contiguous()
 
 
-def q4_1_values(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """GGUF Q4_1 blocks [N, K / 32, 20] (uint8: fp16 d, fp16 m, 16 bytes of 4-bit q: k 0-15 in the
-    low nibbles, 16-31 in the high ones) -> d [N, K / 32] and m (fp16), q [N, K] (uint8, 0-15)."""
-    n, kb, width = blocks.shape
-    if blocks.dtype != torch.uint8 or width != 20:
-        raise ValueError(f"Q4_1 blocks must be uint8 [N, K / 32, 20], not {blocks.dtype} {tuple(blocks.shape)}")
+# GGUF block formats the kernels compute from: bytes of a 32-weight block in the file, and the
+# packed tensor's dtype (linear_common.h).
+BLOCK_FORMATS = {"q4_1": (20, torch.uint8), "q8_0": (34, torch.int8)}
+
+
+def _check_blocks(kind: str, blocks: torch.Tensor) -> None:
+    if kind not in BLOCK_FORMATS:
+        raise ValueError(f"unknown block format {kind!r} (known: {sorted(BLOCK_FORMATS)})")
+    width = BLOCK_FORMATS[kind][0]
+    if blocks.dtype != torch.uint8 or blocks.dim() != 3 or blocks.shape[2] != width:
+        raise ValueError(f"{kind} blocks must be uint8 [N, K / 32, {width}], not {blocks.dtype} {tuple(blocks.shape)}")
+
+
+def block_values(kind: str, blocks: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
+    """GGUF blocks [N, K / 32, bytes] (uint8) -> d [N, K / 32] (fp16), m (fp16; Q4_1 only, else
+    None) and q [N, K]: Q4_1 uint8 0-15 (k 0-15 of a block in its bytes' low nibbles, 16-31 in the
+    high ones), Q8_0 int8."""
+    _check_blocks(kind, blocks)
+    n, kb, _ = blocks.shape
     blocks = blocks.contiguous()
     d = blocks[:, :, 0:2].contiguous().view(torch.float16).reshape(n, kb)
+    if kind == "q8_0":
+        return d, None, blocks[:, :, 2:34].contiguous().view(torch.int8).reshape(n, kb * 32)
     m = blocks[:, :, 2:4].contiguous().view(torch.float16).reshape(n, kb)
     qs = blocks[:, :, 4:20]
-    q = torch.stack((qs & 0xF, qs >> 4), dim=2).reshape(n, kb * 32)
-    return d, m, q
+    return d, m, torch.stack((qs & 0xF, qs >> 4), dim=2).reshape(n, kb * 32)
 
 
-def dequantize_q4_1(blocks: torch.Tensor) -> torch.Tensor:
-    """Q4_1 blocks [N, K / 32, 20] -> float32 [N, K], as gguf computes it: d * q + m in float32."""
-    d, m, q = q4_1_values(blocks)
+def dequantize_blocks(kind: str, blocks: torch.Tensor) -> torch.Tensor:
+    """GGUF blocks -> float32 [N, K] as gguf computes them: Q4_1 d * q + m, Q8_0 q * d, in float32."""
+    d, m, q = block_values(kind, blocks)
     n, kb = d.shape
-    w = d.float().reshape(n, kb, 1) * q.reshape(n, kb, 32).float() + m.float().reshape(n, kb, 1)
+    w = q.reshape(n, kb, 32).float() * d.float().reshape(n, kb, 1)
+    if m is not None:
+        w = w + m.float().reshape(n, kb, 1)
     return w.reshape(n, kb * 32)
 
 
-def pack_q4_1(blocks: torch.Tensor) -> torch.Tensor:
-    """Q4_1 blocks [N, K / 32, 20] of a weight [N, K] -> the kernel's packed Q4_1 layout (uint8, flat;
-    linear_common.h): per 16-column vector, per block of 32 k, the 16 columns' d and m, then per k
-    pair 16 bytes whose low nibbles are columns 0-7's (k, k + 1) pairs and high nibbles 8-15's."""
-    d, m, q = q4_1_values(blocks)
+def pack_blocks(kind: str, blocks: torch.Tensor) -> torch.Tensor:
+    """GGUF blocks [N, K / 32, bytes] of a weight [N, K] -> the kernel's packed layout
+    (linear_common.h; flat, uint8 for Q4_1, int8 for Q8_0): per 16-column vector, per block of 32
+    k, the 16 columns' d (and Q4_1's m), then per k pair the q of the bf16 layout's 32 lanes (column
+    i / 2, parity i % 2): Q4_1 lanes 0-15 in low nibbles and 16-31 in high ones, Q8_0 a byte each."""
+    d, m, q = block_values(kind, blocks)
     n, kb = d.shape
     if n % 16:
-        raise ValueError(f"cannot pack {n} rows as Q4_1 (a multiple of 16 needed)")
+        raise ValueError(f"cannot pack {n} rows of {kind} blocks (a multiple of 16 needed)")
     v = n // 16
-    # q[n, k] -> [vector, column in vector, block, k pair in block, parity]
-    q5 = q.reshape(v, 16, kb, 16, 2)
-    lo = q5[:, :8].permute(0, 2, 3, 1, 4).reshape(v, kb, 16, 16)   # [vector, block, pair, lane]
-    hi = q5[:, 8:].permute(0, 2, 3, 1, 4).reshape(v, kb, 16, 16)
-    nibbles = (lo | (hi << 4)).reshape(v, kb, 256)
-    scales = [t.reshape(v, 16, kb).permute(0, 2, 1).contiguous().view(torch.uint8).reshape(v, kb, 32) for t in (d, m)]
-    return torch.cat([scales[0], scales[1], nibbles], dim=2).reshape(-1).contiguous()
+    # q[n, k] -> [vector, block, k pair in block, lane]: lane 2 c + parity for column c of the vector
+    lanes = q.reshape(v, 16, kb, 16, 2).permute(0, 2, 3, 1, 4).reshape(v, kb, 16, 32)
+    if kind == "q4_1":
+        qbytes = (lanes[..., :16] | (lanes[..., 16:] << 4)).reshape(v, kb, 256)
+    else:
+        qbytes = lanes.contiguous().view(torch.uint8).reshape(v, kb, 512)
+    scales = [t.reshape(v, 16, kb).permute(0, 2, 1).contiguous().view(torch.uint8).reshape(v, kb, 32)
+              for t in ((d, m) if m is not None else (d,))]
+    packed = torch.cat([*scales, qbytes], dim=2).reshape(-1).contiguous()
+    return packed if kind == "q4_1" else packed.view(torch.int8)
 
 
 def gate_up_order(n: int) -> torch.Tensor:
@@ -104,7 +124,7 @@ class PackedLinear(nn.Module):
     """
 
     def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor], silu_mul: bool = False,
-                 q4_1: Optional[torch.Tensor] = None) -> None:
+                 blocks: Optional[tuple[str, torch.Tensor]] = None) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.silu_mul = silu_mul
@@ -114,18 +134,19 @@ class PackedLinear(nn.Module):
             order = gate_up_order(self.out_features)
             weight = weight[order]
             bias = bias[order] if bias is not None else None
-            q4_1 = q4_1[order] if q4_1 is not None else None
+            blocks = (blocks[0], blocks[1][order]) if blocks is not None else None
         packed = pack_weight(weight.detach())
         self.format = "bf16"
-        if q4_1 is not None:
-            q4 = pack_q4_1(q4_1)
+        if blocks is not None:
+            kind, raw = blocks
+            quantized = pack_blocks(kind, raw)
             # Only where the kernel's dequantization gives these very weights, bit for bit.
-            unpacked = torch.ops.sluice.linear_q4_unpack(q4, self.out_features, self.in_features)
+            unpacked = torch.ops.sluice.linear_unpack_blocks(quantized, self.out_features, self.in_features)
             if torch.equal(unpacked.view(torch.int16), packed.view(torch.int16)):
-                packed, self.format = q4, "q4_1"
+                packed, self.format = quantized, kind
             else:
-                logger.warning("Q4_1 blocks of a %s linear do not dequantize to its bf16 weight; kept bf16",
-                               tuple(weight.shape))
+                logger.warning("%s blocks of a %s linear do not dequantize to its bf16 weight; kept bf16",
+                               kind, tuple(weight.shape))
         self.register_buffer("packed", packed, persistent=False)
         self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous(), persistent=False)
         self._op = torch.ops.sluice.linear_bf16_silu_mul if silu_mul else torch.ops.sluice.linear_bf16
@@ -178,12 +199,13 @@ def pack_linear_layers(model: nn.Module) -> int:
             if type(child) is not nn.Linear or not can_pack(child.weight):
                 continue
             fuse = isinstance(parent, LlamaMLP) and name == "gate_up_proj" and child.out_features % 32 == 0
-            # A GGUF's Q4_1 blocks of this weight, where the loader kept them (loader._attach_q4_1).
-            q4_1 = getattr(child, "q4_1", None)
-            setattr(parent, name, PackedLinear(child.weight, child.bias, silu_mul=fuse, q4_1=q4_1))
+            # A GGUF's blocks of this weight, where the loader kept them (loader._attach_blocks).
+            blocks = getattr(child, "gguf_blocks", None)
+            setattr(parent, name, PackedLinear(child.weight, child.bias, silu_mul=fuse, blocks=blocks))
             if fuse:
                 parent.gate_up_applies_act = True
             swapped += 1
-    q4 = sum(1 for m in model.modules() if isinstance(m, PackedLinear) and m.format == "q4_1")
-    logger.info("packed %d linear layers for the cpu kernel (%d from Q4_1 blocks)", swapped, q4)
+    formats = [m.format for m in model.modules() if isinstance(m, PackedLinear)]
+    logger.info("packed %d linear layers for the cpu kernel (%s)", swapped,
+                ", ".join(f"{formats.count(f)} {f}" for f in sorted(set(formats))))
     return swapped

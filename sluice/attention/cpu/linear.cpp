@@ -27,10 +27,11 @@
 // one row up: a row's bits never depend on the rows beside it (speculative verification relies on
 // that). Layers whose K is not a multiple of 32 stay on the AVX-512 path. The switch is amx.h's.
 //
-// Q4_1 weights (a GGUF's 4-bit blocks, kept as they are: linear_common.h's packed uint8 layout)
-// are dequantized a group at a time into the thread's buffer, in the bf16 layout above, and the
-// same code computes from it: the bits are those of the bf16 weights the file dequantizes to,
-// while a step reads 0.625 bytes a weight from memory instead of 2.
+// Weights in a GGUF's blocks (Q4_1 and Q8_0, kept as the file has them: linear_common.h's packed
+// layout) are dequantized into the bf16 layout above as the products need them, a B tile's block at
+// a time on AMX up to two row tiles, else a group at a time into the thread's buffer, and the same
+// code computes from there: the bits are those of the bf16 weights the file dequantizes to, while
+// a step reads 0.625 (Q4_1) or 1.0625 (Q8_0) bytes a weight from memory instead of 2.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -196,55 +197,94 @@ void vector_group(const bf16* x, int64_t m, int64_t ldx, const bf16* w, int vecs
 }
 
 
-// ---- Q4_1 -------------------------------------------------------------------------------------
+// ---- GGUF blocks: Q4_1, Q8_0 -------------------------------------------------------------------
 
-// One Q4_1 vector block (linear_common.h: 16 columns x 32 k, kQ4VectorBlock bytes) into the bf16
-// packed layout at dst (its first k pair; k pairs ldw elements apart). A lane's weight is
-// d * q + m in float32, as gguf's dequantization computes it (d * q is exact: an 11-bit
-// significand times 4 bits, so one fused rounding is the same as its two), then rounded to bf16
-// to nearest even, as torch's conversion does: the bf16 weight the file dequantizes to.
-inline void dequant_q4_block(const uint8_t* blk, bf16* dst, int64_t ldw) {
-  // Lanes of a k pair's vector: (column i / 2, k parity i % 2) for columns 0-7, then 8-15.
-  const __m512i lo_cols = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
-  const __m512i hi_cols = _mm512_add_epi32(lo_cols, _mm512_set1_epi32(8));
-  const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk)));
-  const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32)));
-  const __m512 d_lo = _mm512_permutexvar_ps(lo_cols, d), d_hi = _mm512_permutexvar_ps(hi_cols, d);
-  const __m512 m_lo = _mm512_permutexvar_ps(lo_cols, m), m_hi = _mm512_permutexvar_ps(hi_cols, m);
+// One vector block (linear_common.h: 16 columns x 32 k) into the bf16 packed layout at dst (its
+// first k pair; k pairs ldw elements apart): each weight computed as gguf's dequantization computes
+// it in float32, then rounded to bf16 to nearest even, as torch's conversion does: the bf16 weight
+// the file dequantizes to. The d * q products are exact (an 11-bit significand times 4 or 8 bits),
+// so Q4_1's fused d * q + m rounds once, as gguf's two operations do.
+//
+// Lanes of a k pair's vector: (column i / 2, k parity i % 2), columns 0-7 (lo), then 8-15 (hi).
+struct BlockScales {
+  __m512 lo, hi;
+  explicit BlockScales(const uint8_t* fp16x16) {
+    const __m512i lo_cols = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+    const __m512 v = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(fp16x16)));
+    lo = _mm512_permutexvar_ps(lo_cols, v);
+    hi = _mm512_permutexvar_ps(_mm512_add_epi32(lo_cols, _mm512_set1_epi32(8)), v);
+  }
+};
+
+// Q4_1: d * q + m, q 4-bit.
+inline void dequant_q4_1_block(const uint8_t* blk, bf16* dst, int64_t ldw) {
+  const BlockScales d(blk), m(blk + 32);
   // q as float32 by table: vpermps reads only an index's low 4 bits, which are a byte's low nibble,
   // and, shifted, its high one (one shuffle each instead of a mask and a conversion).
   const __m512 values = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
   const uint8_t* q = blk + 64;
   for (int p = 0; p < 16; ++p) {
     const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16 * p)));
-    const __m512 lo = _mm512_fmadd_ps(_mm512_permutexvar_ps(v, values), d_lo, m_lo);
-    const __m512 hi = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), values), d_hi, m_hi);
+    const __m512 lo = _mm512_fmadd_ps(_mm512_permutexvar_ps(v, values), d.lo, m.lo);
+    const __m512 hi = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), values), d.hi, m.hi);
     _mm512_storeu_si512(dst + p * ldw, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
   }
 }
 
-// The 16-column vectors vi (-1: none) of the group whose first vector's blocks are at q4 (vecs
-// vectors, k_blocks blocks each, one vector's blocks contiguous) into buf, the group's bf16
-// packed layout (ldw = 32 vecs elements a k pair).
-inline void dequant_q4_vectors(const uint8_t* q4, int vecs, const int* vi, int count, int64_t k_blocks, bf16* buf) {
+// Q8_0: d * q, q 8-bit signed.
+inline void dequant_q8_0_block(const uint8_t* blk, bf16* dst, int64_t ldw) {
+  const BlockScales d(blk);
+  const uint8_t* q = blk + 32;
+  for (int p = 0; p < 16; ++p) {
+    const __m128i* qp = reinterpret_cast<const __m128i*>(q + 32 * p);
+    const __m512 lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(qp))), d.lo);
+    const __m512 hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(qp + 1))), d.hi);
+    _mm512_storeu_si512(dst + p * ldw, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+  }
+}
+
+// A weight packed in GGUF blocks (linear_common.h): Q4_1 (uint8) or Q8_0 (int8).
+struct Blocks {
+  const uint8_t* data = nullptr;
+  bool q8 = false;
+  int64_t block_bytes = 0, k_blocks = 0;
+
+  Blocks(const at::Tensor& packed, int64_t k) {
+    q8 = packed.scalar_type() == at::kChar;
+    data = static_cast<const uint8_t*>(packed.data_ptr());
+    block_bytes = q8 ? sluice_linear::kQ8VectorBlock : sluice_linear::kQ4VectorBlock;
+    k_blocks = k / sluice_linear::kBlockK;
+  }
+  // The blocks of 16-column vector v (columns 16 v ..), one after the other.
+  const uint8_t* vector(int64_t v) const { return data + v * k_blocks * block_bytes; }
+  void dequant(const uint8_t* blk, bf16* dst, int64_t ldw) const {
+    if (q8) dequant_q8_0_block(blk, dst, ldw);
+    else dequant_q4_1_block(blk, dst, ldw);
+  }
+  // The block `ahead` blocks past blk, into L1.
+  void prefetch(const uint8_t* blk, int ahead) const {
+    const char* p = reinterpret_cast<const char*>(blk) + ahead * block_bytes;
+    for (int64_t off = 0; off < block_bytes; off += 64) _mm_prefetch(p + off, _MM_HINT_T0);
+  }
+};
+
+// The 16-column vectors vi (-1: none) of the group whose first vector is first_vector (vecs
+// vectors) into buf, the group's bf16 packed layout (ldw = 32 vecs elements a k pair).
+inline void dequant_vectors(const Blocks& q, int64_t first_vector, int vecs, const int* vi, int count, bf16* buf) {
   const int64_t ldw = 32 * vecs;
   for (int j = 0; j < count; ++j) {
     if (vi[j] < 0) continue;
-    const uint8_t* src = q4 + vi[j] * k_blocks * sluice_linear::kQ4VectorBlock;
-    for (int64_t b = 0; b < k_blocks; ++b) {
-      const uint8_t* blk = src + b * sluice_linear::kQ4VectorBlock;
-      _mm_prefetch(reinterpret_cast<const char*>(blk) + 4 * sluice_linear::kQ4VectorBlock, _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(blk) + 4 * sluice_linear::kQ4VectorBlock + 64, _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(blk) + 4 * sluice_linear::kQ4VectorBlock + 128, _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(blk) + 4 * sluice_linear::kQ4VectorBlock + 192, _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(blk) + 4 * sluice_linear::kQ4VectorBlock + 256, _MM_HINT_T0);
-      dequant_q4_block(blk, buf + b * 16 * ldw + 32 * vi[j], ldw);
+    const uint8_t* src = q.vector(first_vector + vi[j]);
+    for (int64_t b = 0; b < q.k_blocks; ++b) {
+      const uint8_t* blk = src + b * q.block_bytes;
+      q.prefetch(blk, 4);
+      q.dequant(blk, buf + b * 16 * ldw + 32 * vi[j], ldw);
     }
   }
 }
 
 // The thread's buffer for a dequantized group (k x 64 bf16 at most), kept between calls.
-inline bf16* q4_buffer(int64_t k) {
+inline bf16* dequant_buffer(int64_t k) {
   static thread_local std::vector<bf16> buffer;
   if (static_cast<int64_t>(buffer.size()) < k * kGroupCols) buffer.resize(k * kGroupCols);
   return buffer.data();
@@ -271,13 +311,13 @@ struct Prefetch {
 // group at w (gw columns wide), for kR row tiles and kV column tiles; tick() runs once per k step
 // (vector work that overlaps the tiles': prefetches, the previous block's epilogue).
 //
-// With q4 (the group's Q4_1 vectors, linear_common.h; w unused) each k step's B tiles are
-// dequantized first, a Q4_1 block each, into a 1 KiB buffer the tile loads then read from L1.
+// With q (a weight in GGUF blocks, linear_common.h; the group's first vector first_vector; w
+// unused) each k step's B tiles are dequantized first, one block each, into a 1 KiB buffer the
+// tile loads then read from L1.
 template <int kR, int kV, class Tick>
 inline void amx_block(const bf16* const (&a)[2], const int64_t (&lda_bytes)[2], const bf16* w, int64_t gw, int64_t k,
-                      const int (&ct)[2], float* c, Tick& tick, const uint8_t* q4 = nullptr) {
+                      const int (&ct)[2], float* c, Tick& tick, const Blocks* q = nullptr, int64_t first_vector = 0) {
   alignas(64) bf16 bq[2][16 * 32];
-  const int64_t q4_vector = k / sluice_linear::kQ4BlockK * sluice_linear::kQ4VectorBlock;
   _tile_zero(0);
   if constexpr (kV > 1) _tile_zero(1);
   if constexpr (kR > 1) {
@@ -287,16 +327,11 @@ inline void amx_block(const bf16* const (&a)[2], const int64_t (&lda_bytes)[2], 
   const int64_t ldb_bytes = gw * 4;
   for (int64_t k0 = 0; k0 < k; k0 += kTileK) {
     _tile_loadd(4, a[0] + k0, lda_bytes[0]);
-    if (q4) {
-      const int64_t blk = k0 / sluice_linear::kQ4BlockK * sluice_linear::kQ4VectorBlock;
+    if (q) {
       for (int v = 0; v < kV; ++v) {
-        const uint8_t* src = q4 + ct[v] * q4_vector + blk;
-        _mm_prefetch(reinterpret_cast<const char*>(src) + 8 * sluice_linear::kQ4VectorBlock, _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(src) + 8 * sluice_linear::kQ4VectorBlock + 64, _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(src) + 8 * sluice_linear::kQ4VectorBlock + 128, _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(src) + 8 * sluice_linear::kQ4VectorBlock + 192, _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(src) + 8 * sluice_linear::kQ4VectorBlock + 256, _MM_HINT_T0);
-        dequant_q4_block(src, bq[v], 32);
+        const uint8_t* blk = q->vector(first_vector + ct[v]) + k0 / sluice_linear::kBlockK * q->block_bytes;
+        q->prefetch(blk, 8);
+        q->dequant(blk, bq[v], 32);
       }
       _tile_loadd(6, bq[0], 64);
       if constexpr (kV > 1) _tile_loadd(7, bq[1], 64);
@@ -351,7 +386,8 @@ struct AmxRows {
 // themselves, streamed a decode step's weights at ~2/3 of the read bandwidth).
 template <bool kSiluMul>
 void amx_group(const AmxRows& xs, int64_t r0, int64_t rows, const bf16* w, int64_t gw, int64_t k, const float* bias,
-               bf16* y, int64_t ldy, int64_t next_bytes, int p_begin = 0, int p_end = 2, const uint8_t* q4 = nullptr) {
+               bf16* y, int64_t ldy, int64_t next_bytes, int p_begin = 0, int p_end = 2, const Blocks* q = nullptr,
+               int64_t first_vector = 0) {
   alignas(64) float c[2][32 * 32];
   const int tiles = static_cast<int>(gw / 16);
   // Column-tile passes as pass_vectors gives them (a 16-column tile is a vector's columns).
@@ -409,11 +445,11 @@ void amx_group(const AmxRows& xs, int64_t r0, int64_t rows, const bf16* w, int64
       const int64_t lda[2] = {xs.ld_bytes(t), two_rows ? xs.ld_bytes(t + 1) : 0};
       float* cb = c[buffer];
       if (two_rows) {
-        if (two_cols) amx_block<2, 2>(a, lda, w, gw, k, ct, cb, tick, q4);
-        else amx_block<2, 1>(a, lda, w, gw, k, ct, cb, tick, q4);
+        if (two_cols) amx_block<2, 2>(a, lda, w, gw, k, ct, cb, tick, q, first_vector);
+        else amx_block<2, 1>(a, lda, w, gw, k, ct, cb, tick, q, first_vector);
       } else {
-        if (two_cols) amx_block<1, 2>(a, lda, w, gw, k, ct, cb, tick, q4);
-        else amx_block<1, 1>(a, lda, w, gw, k, ct, cb, tick, q4);
+        if (two_cols) amx_block<1, 2>(a, lda, w, gw, k, ct, cb, tick, q, first_vector);
+        else amx_block<1, 1>(a, lda, w, gw, k, ct, cb, tick, q, first_vector);
       }
       epilogue_rows(pending.nrows);  // whatever the block's k steps left of the previous one
       const int64_t row0 = t * kTileRows;
@@ -455,11 +491,10 @@ void run(const at::Tensor& x, const at::Tensor& packed, int64_t n, int64_t k, co
   const int64_t m = x.size(0), ldx = x.stride(0), ldy = y.stride(0), k_pairs = k / 2;
   const int64_t groups = (n + kGroupCols - 1) / kGroupCols;
   const bf16* xp = reinterpret_cast<const bf16*>(x.data_ptr<c10::BFloat16>());
-  // Q4_1 (uint8) or bf16 packed weights.
-  const bool q4 = packed.scalar_type() == at::kByte;
-  const uint8_t* q4p = q4 ? packed.data_ptr<uint8_t>() : nullptr;
-  const int64_t k_blocks = k / sluice_linear::kQ4BlockK;
-  const bf16* wp = q4 ? nullptr : reinterpret_cast<const bf16*>(packed.data_ptr<c10::BFloat16>());
+  // bf16 packed weights, or GGUF blocks (Q4_1: uint8, Q8_0: int8).
+  std::optional<Blocks> blocks;
+  if (packed.scalar_type() != at::kBFloat16) blocks.emplace(packed, k);
+  const bf16* wp = blocks ? nullptr : reinterpret_cast<const bf16*>(packed.data_ptr<c10::BFloat16>());
   bf16* yp = reinterpret_cast<bf16*>(y.data_ptr<c10::BFloat16>());
 #if SLUICE_HAVE_AMX
   const bool amx = k % kTileK == 0 && sluice_amx::on();
@@ -471,29 +506,28 @@ void run(const at::Tensor& x, const at::Tensor& packed, int64_t n, int64_t k, co
   auto group = [&](int64_t g, int64_t r0, int64_t rows, int64_t g_end, int p0 = 0, int p1 = 2) {
     const int64_t col = g * kGroupCols;
     const int vecs = static_cast<int>(std::min<int64_t>(kGroupCols, n - col) / 16);
-    const bf16* wg = q4 ? nullptr : wp + col * k;
+    const bf16* wg = blocks ? nullptr : wp + col * k;
     const float* bg = bias ? bias + col : nullptr;
-    const uint8_t* q4g = q4 ? q4p + (col / 16) * k_blocks * sluice_linear::kQ4VectorBlock : nullptr;
 #if SLUICE_HAVE_AMX
     // Up to two row tiles on AMX: each k step's B tiles dequantized as the tiles need them.
-    const bool q4_fused = q4 && amx && rows <= 2 * kTileRows;
+    const bool per_step = blocks && amx && rows <= 2 * kTileRows;
 #else
-    const bool q4_fused = false;
+    const bool per_step = false;
 #endif
-    if (q4 && !q4_fused) {  // the vectors of passes [p0, p1) into the thread's buffer, computed from there
-      bf16* buf = q4_buffer(k);
+    if (blocks && !per_step) {  // the vectors of passes [p0, p1) into the thread's buffer, computed from there
+      bf16* buf = dequant_buffer(k);
       for (int p = p0; p < std::min(p1, group_passes(16 * vecs, kSiluMul)); ++p) {
         int v[2];
         pass_vectors(vecs, kSiluMul, p, v);
-        dequant_q4_vectors(q4g, vecs, v, 2, k_blocks, buf);
+        dequant_vectors(*blocks, col / 16, vecs, v, 2, buf);
       }
       wg = buf;
     }
 #if SLUICE_HAVE_AMX
     if (amx) {
-      const int64_t next_bytes = !q4 && g + 1 < g_end ? std::min<int64_t>(kGroupCols, n - col - kGroupCols) * k * 2 : 0;
+      const int64_t next_bytes = !blocks && g + 1 < g_end ? std::min<int64_t>(kGroupCols, n - col - kGroupCols) * k * 2 : 0;
       amx_group<kSiluMul>(*amx_rows, r0, rows, wg, 16 * vecs, k, bg, yp + r0 * ldy + (kSiluMul ? col / 2 : col), ldy,
-                          next_bytes, p0, p1, q4_fused ? q4g : nullptr);
+                          next_bytes, p0, p1, per_step ? &*blocks : nullptr, col / 16);
       return;
     }
 #endif
@@ -556,16 +590,16 @@ void run(const at::Tensor& x, const at::Tensor& packed, int64_t n, int64_t k, co
 }
 
 struct Avx512 {
-  static constexpr bool kQ4 = true;
-  static void q4_unpack(const uint8_t* q4, int64_t n, int64_t k, c10::BFloat16* out) {
-    const int64_t groups = (n + kGroupCols - 1) / kGroupCols, k_blocks = k / sluice_linear::kQ4BlockK;
+  static constexpr bool kBlocks = true;
+  static void unpack(const at::Tensor& packed, int64_t n, int64_t k, c10::BFloat16* out) {
+    const Blocks q(packed, k);
+    const int64_t groups = (n + kGroupCols - 1) / kGroupCols;
     at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
       for (int64_t g = g0; g < g1; ++g) {
         const int64_t col = g * kGroupCols;
         const int vecs = static_cast<int>(std::min<int64_t>(kGroupCols, n - col) / 16);
         const int vi[4] = {0, 1, 2, 3};
-        dequant_q4_vectors(q4 + (col / 16) * k_blocks * sluice_linear::kQ4VectorBlock, vecs, vi, vecs, k_blocks,
-                           reinterpret_cast<bf16*>(out) + col * k);
+        dequant_vectors(q, col / 16, vecs, vi, vecs, reinterpret_cast<bf16*>(out) + col * k);
       }
     });
   }

@@ -399,7 +399,7 @@ void run(const at::Tensor& x, const at::Tensor& packed, int64_t n, int64_t k, co
 }
 
 struct Avx2 {
-  static constexpr bool kQ4 = false;  // Q4_1 weights stay bf16 on this kernel set (packed_linear.py)
+  static constexpr bool kBlocks = false;  // GGUF blocks stay bf16 on this kernel set (packed_linear.py)
   static bool set_amx(bool) { return false; }  // AMX CPUs have AVX-512 BF16 and take that kernel set
   static bool amx_enabled() { return false; }
   template <bool kSiluMul>

@@ -2,17 +2,19 @@
 // linear_avx2.cpp for AVX2 + FMA): input checks and outputs. Each kernel file passes a type `Isa`
 // with `template <bool kSiluMul> static void run(x, packed, n, k, bias or nullptr, y)`,
 // `static bool set_amx(bool)` (switch AMX on or off; returns whether it is on) and
-// `static bool amx_enabled()`, and `static constexpr bool kQ4`: whether its run takes Q4_1
-// packed weights (below) as well, and then `static void q4_unpack(q4, n, k, out)` (Q4_1 packed ->
-// the bf16 packed layout).
+// `static bool amx_enabled()`, and `static constexpr bool kBlocks`: whether its run also takes
+// weights packed in GGUF blocks (below), and then `static void unpack(packed, n, k, out)` (GGUF
+// blocks -> the bf16 packed layout).
 //
-// Packed Q4_1 (uint8; sluice/model/packed_linear.py's pack_q4_1): a GGUF's Q4_1 blocks (32 k of
-// one output column: fp16 d and m, 32 4-bit q; weight = d * q + m) regrouped by 16-column vectors.
+// GGUF blocks (sluice/model/packed_linear.py's pack_blocks): a file's Q4_1 or Q8_0 blocks (32 k of
+// one output column: Q4_1 fp16 d and m and 32 4-bit q, weight d * q + m; Q8_0 fp16 d and 32 int8 q,
+// weight d * q) regrouped by 16-column vectors: Q4_1 as a uint8 tensor, Q8_0 as an int8 one.
 // Vector v (columns 16 v .. 16 v + 15) holds K / 32 vector blocks, one after the other, and vector
-// v + 1 follows it (so a 64-column group is 4 consecutive vectors). A vector block (kQ4VectorBlock
-// bytes) for k in [32 b, 32 b + 32): the 16 columns' d as fp16, their m as fp16, then per k pair
-// p (16 of them) 16 bytes, byte i = q(column i / 2, k 32 b + 2 p + i % 2) in its low nibble and
-// q(column 8 + i / 2, same k) in its high nibble: the bf16 layout's lane order.
+// v + 1 follows it (so a 64-column group is 4 consecutive vectors). A vector block for k in
+// [32 b, 32 b + 32): the 16 columns' d as fp16; Q4_1 then their m as fp16; then per k pair p (16
+// of them) the q of the bf16 layout's lanes, (column i / 2, k 32 b + 2 p + i % 2) for lane i:
+// Q4_1 16 bytes, byte i holding lane i's q in its low nibble and lane 16 + i's in its high one;
+// Q8_0 32 bytes, byte i lane i's.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -23,23 +25,28 @@
 
 namespace sluice_linear {
 
-constexpr int64_t kQ4BlockK = 32;         // k per Q4_1 block
-constexpr int64_t kQ4VectorBlock = 320;   // bytes per 16 columns x 32 k: 32 (d) + 32 (m) + 256 (q)
+constexpr int64_t kBlockK = 32;           // k per GGUF block
+constexpr int64_t kQ4VectorBlock = 320;   // Q4_1 bytes per 16 columns x 32 k: 32 (d) + 32 (m) + 256 (q)
+constexpr int64_t kQ8VectorBlock = 544;   // Q8_0: 32 (d) + 512 (q)
 
-inline int64_t q4_bytes(int64_t n, int64_t k) { return n / 16 * (k / kQ4BlockK) * kQ4VectorBlock; }
+// A weight [n, k] in GGUF blocks: its packed bytes (Q4_1 a uint8 tensor, Q8_0 an int8 one).
+inline int64_t block_bytes(at::ScalarType type, int64_t n, int64_t k) {
+  return n / 16 * (k / kBlockK) * (type == at::kChar ? kQ8VectorBlock : kQ4VectorBlock);
+}
+inline bool is_blocks(at::ScalarType type) { return type == at::kByte || type == at::kChar; }
 
 template <typename Isa>
 void check_common(const at::Tensor& x, const at::Tensor& packed, int64_t n, int64_t k) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.stride(1) == 1, "x must be [M, K] bf16, rows contiguous");
   TORCH_CHECK(k % 2 == 0 && x.size(1) == k, "K must be even and match x");
   TORCH_CHECK(packed.is_contiguous(), "packed weight must be contiguous");
-  if (packed.scalar_type() == at::kByte) {
-    TORCH_CHECK(Isa::kQ4, "this CPU's kernel set computes from bf16 packed weights only, not Q4_1");
-    TORCH_CHECK(n % 16 == 0 && k % kQ4BlockK == 0 && packed.numel() == q4_bytes(n, k),
-                "Q4_1: N must be a multiple of 16, K of 32, and match the packed weight");
+  if (is_blocks(packed.scalar_type())) {
+    TORCH_CHECK(Isa::kBlocks, "this CPU's kernel set computes from bf16 packed weights only, not GGUF blocks");
+    TORCH_CHECK(n % 16 == 0 && k % kBlockK == 0 && packed.numel() == block_bytes(packed.scalar_type(), n, k),
+                "GGUF blocks (Q4_1, Q8_0): N must be a multiple of 16, K of 32, and match the packed weight");
     return;
   }
-  TORCH_CHECK(packed.scalar_type() == at::kBFloat16, "packed weight must be bf16 or Q4_1 (uint8)");
+  TORCH_CHECK(packed.scalar_type() == at::kBFloat16, "packed weight must be bf16, or GGUF blocks (Q4_1 uint8, Q8_0 int8)");
   TORCH_CHECK(n % 16 == 0 && packed.numel() == n * k, "N must be a multiple of 16 and match the packed weight");
 }
 
@@ -70,13 +77,14 @@ at::Tensor linear_bf16_silu_mul(const at::Tensor& x, const at::Tensor& packed, i
 }
 
 template <typename Isa>
-at::Tensor linear_q4_unpack(const at::Tensor& packed, int64_t n, int64_t k) {
-  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous(), "Q4_1 packed weight must be contiguous uint8");
-  TORCH_CHECK(n % 16 == 0 && k % kQ4BlockK == 0 && packed.numel() == q4_bytes(n, k),
-              "Q4_1: N must be a multiple of 16, K of 32, and match the packed weight");
+at::Tensor linear_unpack_blocks(const at::Tensor& packed, int64_t n, int64_t k) {
+  TORCH_CHECK(is_blocks(packed.scalar_type()) && packed.is_contiguous(),
+              "GGUF blocks must be a contiguous uint8 (Q4_1) or int8 (Q8_0) tensor");
+  TORCH_CHECK(n % 16 == 0 && k % kBlockK == 0 && packed.numel() == block_bytes(packed.scalar_type(), n, k),
+              "GGUF blocks (Q4_1, Q8_0): N must be a multiple of 16, K of 32, and match the packed weight");
   at::Tensor out = at::empty({n * k}, packed.options().dtype(at::kBFloat16));
-  if constexpr (Isa::kQ4) Isa::q4_unpack(packed.data_ptr<uint8_t>(), n, k, out.data_ptr<c10::BFloat16>());
-  else TORCH_CHECK(false, "this CPU's kernel set computes from bf16 packed weights only, not Q4_1");
+  if constexpr (Isa::kBlocks) Isa::unpack(packed, n, k, out.data_ptr<c10::BFloat16>());
+  else TORCH_CHECK(false, "this CPU's kernel set computes from bf16 packed weights only, not GGUF blocks");
   return out;
 }
 
@@ -93,10 +101,10 @@ at::Tensor linear_q4_unpack(const at::Tensor& packed, int64_t n, int64_t k) {
                                   const c10::optional<at::Tensor>& bias) {                              \
     return sluice_linear::linear_bf16_silu_mul<Isa>(x, packed, n, bias);                                \
   }                                                                                                     \
-  at::Tensor linear_q4_unpack(const at::Tensor& packed, int64_t n, int64_t k) {                          \
-    return sluice_linear::linear_q4_unpack<Isa>(packed, n, k);                                          \
+  at::Tensor linear_unpack_blocks(const at::Tensor& packed, int64_t n, int64_t k) {                      \
+    return sluice_linear::linear_unpack_blocks<Isa>(packed, n, k);                                      \
   }                                                                                                     \
-  bool linear_q4_supported() { return Isa::kQ4; }                                                       \
+  bool linear_blocks_supported() { return Isa::kBlocks; }                                               \
   bool linear_set_amx(bool enable) { return Isa::set_amx(enable); }                                     \
   bool linear_amx_enabled() { return Isa::amx_enabled(); }                                              \
   }

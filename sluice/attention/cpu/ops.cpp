@@ -12,8 +12,8 @@ TORCH_LIBRARY(sluice, m) {
       &sluice_ops::paged_attention);
   m.def("linear_bf16(Tensor x, Tensor packed, int n, Tensor? bias) -> Tensor", &sluice_ops::linear_bf16);
   m.def("linear_bf16_silu_mul(Tensor x, Tensor packed, int n, Tensor? bias) -> Tensor", &sluice_ops::linear_bf16_silu_mul);
-  m.def("linear_q4_unpack(Tensor packed, int n, int k) -> Tensor", &sluice_ops::linear_q4_unpack);
-  m.def("linear_q4_supported() -> bool", &sluice_ops::linear_q4_supported);
+  m.def("linear_unpack_blocks(Tensor packed, int n, int k) -> Tensor", &sluice_ops::linear_unpack_blocks);
+  m.def("linear_blocks_supported() -> bool", &sluice_ops::linear_blocks_supported);
   m.def("linear_set_amx(bool enable) -> bool", &sluice_ops::linear_set_amx);
   m.def("linear_amx_enabled() -> bool", &sluice_ops::linear_amx_enabled);
   m.def("argmax_rows(Tensor logits) -> Tensor", &sluice_ops::argmax_rows);

@@ -21,10 +21,10 @@ at::Tensor argmax_rows(const at::Tensor& logits);
 at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t n, const c10::optional<at::Tensor>& bias);
 at::Tensor linear_bf16_silu_mul(const at::Tensor& x, const at::Tensor& packed, int64_t n,
                                 const c10::optional<at::Tensor>& bias);
-// Q4_1 packed weights (linear_common.h) -> the bf16 packed layout, [N * K]; whether this kernel set
-// computes from Q4_1 packed weights.
-at::Tensor linear_q4_unpack(const at::Tensor& packed, int64_t n, int64_t k);
-bool linear_q4_supported();
+// A weight in GGUF blocks (Q4_1, Q8_0; linear_common.h) -> the bf16 packed layout, [N * K]; whether
+// this kernel set computes from GGUF blocks.
+at::Tensor linear_unpack_blocks(const at::Tensor& packed, int64_t n, int64_t k);
+bool linear_blocks_supported();
 // Whether the linears run on AMX tiles (CPUs that have them): set (returns the state now) and read.
 bool linear_set_amx(bool enable);
 bool linear_amx_enabled();

@@ -1,11 +1,11 @@
-"""A GGUF's Q4_1 linear weights kept 4-bit (`--weight-format native`): the packed layout, the
-kernels' dequantization and the model that computes from them.
+"""A GGUF's Q4_1 and Q8_0 linear weights kept in their blocks (`--weight-format native`): the packed
+layout, the kernels' dequantization and the model that computes from them.
 
-The claim is bit-identity: a linear computed from Q4_1 blocks gives the bits the same linear gives
-from the bf16 weights those blocks dequantize to (gguf's `d * q + m` in float32, rounded to bf16),
-on every path (AMX tiles, AVX-512 vectors), at every row count and thread count. The reference for
-the dequantization is gguf's own numpy code; the reference for the products is the bf16 kernel,
-which the rest of the suite checks against torch and transformers.
+The claim is bit-identity: a linear computed from the blocks gives the bits the same linear gives
+from the bf16 weights those blocks dequantize to (gguf's `d * q + m` / `q * d` in float32, rounded
+to bf16), on every path (AMX tiles, AVX-512 vectors), at every row count and thread count. The
+reference for the dequantization is gguf's own numpy code; the reference for the products is the
+bf16 kernel, which the rest of the suite checks against torch and transformers.
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
 from sluice.attention.cpu import extension
-from sluice.model.packed_linear import PackedLinear, dequantize_q4_1, pack_q4_1, q4_1_values
+from sluice.model.packed_linear import PackedLinear, block_values, dequantize_blocks, pack_blocks, pack_weight
 
 from test_kernels_cpu import MODEL, linear_path  # noqa: F401  (the fixture: AMX and vector paths)
 
@@ -30,36 +30,38 @@ pytestmark = [
 @pytest.fixture(scope="module", autouse=True)
 def _ext():
     extension.load_extension()
-    if not torch.ops.sluice.linear_q4_supported():
+    if not torch.ops.sluice.linear_blocks_supported():
         pytest.skip("this CPU's kernel set computes from bf16 packed weights only (AVX2)")
 
 
-def _blocks(n: int, k: int, seed: int) -> torch.Tensor:
-    """Random Q4_1 blocks [n, k / 32, 20] with scales like a real file's (d > 0, m < 0)."""
+def _blocks(n: int, k: int, seed: int, kind: str = "q4_1") -> torch.Tensor:
+    """Random blocks [n, k / 32, bytes] with scales like a real file's (Q4_1: d > 0, m < 0)."""
     g = torch.Generator().manual_seed(seed)
     kb = k // 32
-    d = (torch.rand(n, kb, generator=g) * 0.02 + 1e-4).half()
-    m = (-torch.rand(n, kb, generator=g) * 0.1).half()
-    qs = torch.randint(0, 256, (n, kb, 16), generator=g, dtype=torch.uint8)
-    return torch.cat([d.view(torch.uint8).reshape(n, kb, 2), m.view(torch.uint8).reshape(n, kb, 2), qs], dim=2)
+    d = (torch.rand(n, kb, generator=g) * 0.02 + 1e-4).half().view(torch.uint8).reshape(n, kb, 2)
+    if kind == "q8_0":
+        return torch.cat([d, torch.randint(0, 256, (n, kb, 32), generator=g, dtype=torch.uint8)], dim=2)
+    m = (-torch.rand(n, kb, generator=g) * 0.1).half().view(torch.uint8).reshape(n, kb, 2)
+    return torch.cat([d, m, torch.randint(0, 256, (n, kb, 16), generator=g, dtype=torch.uint8)], dim=2)
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.int16)
 
 
-def test_dequantize_matches_gguf():
-    b = _blocks(48, 96, 1)
-    want = dequantize(b.numpy().reshape(48, -1), GGMLQuantizationType.Q4_1).reshape(48, 96)
-    assert np.array_equal(dequantize_q4_1(b).numpy(), want)
+@pytest.mark.parametrize("kind,qtype", [("q4_1", GGMLQuantizationType.Q4_1), ("q8_0", GGMLQuantizationType.Q8_0)])
+def test_dequantize_matches_gguf(kind, qtype):
+    b = _blocks(48, 96, 1, kind)
+    want = dequantize(b.numpy().reshape(48, -1), qtype).reshape(48, 96)
+    assert np.array_equal(dequantize_blocks(kind, b).numpy(), want)
 
 
 def test_pack_layout_by_hand():
-    """One vector block: d and m of the 16 columns, then per k pair the byte whose nibbles are
-    column i / 2 (low) and column 8 + i / 2 (high) at k parity i % 2."""
+    """One vector block: the 16 columns' d (Q4_1: and m), then per k pair the q of lane i =
+    (column i / 2, k parity i % 2): Q4_1 lanes 0-15 in low nibbles, 16-31 in high; Q8_0 a byte each."""
     b = _blocks(16, 32, 2)
-    d, m, q = q4_1_values(b)
-    packed = pack_q4_1(b)
+    d, m, q = block_values("q4_1", b)
+    packed = pack_blocks("q4_1", b)
     assert packed.dtype == torch.uint8 and packed.numel() == 320
     assert torch.equal(packed[:32].view(torch.float16), d[:, 0])
     assert torch.equal(packed[32:64].view(torch.float16), m[:, 0])
@@ -68,15 +70,22 @@ def test_pack_layout_by_hand():
             byte = int(packed[64 + 16 * p + i])
             assert byte & 0xF == int(q[i // 2, 2 * p + i % 2])
             assert byte >> 4 == int(q[8 + i // 2, 2 * p + i % 2])
+    b = _blocks(16, 32, 3, "q8_0")
+    d, m, q = block_values("q8_0", b)
+    packed = pack_blocks("q8_0", b)
+    assert m is None and packed.dtype == torch.int8 and packed.numel() == 544
+    assert torch.equal(packed[:32].view(torch.float16), d[:, 0])
+    for p in range(16):
+        for i in range(32):
+            assert int(packed[32 + 32 * p + i]) == int(q[i // 2, 2 * p + i % 2])
 
 
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
 @pytest.mark.parametrize("n,k", [(16, 32), (48, 64), (80, 96), (960, 576), (576, 1536)])
-def test_unpack_gives_the_bf16_packed_weight(n, k):
-    from sluice.model.packed_linear import pack_weight
-
-    b = _blocks(n, k, n + k)
-    w = dequantize_q4_1(b).bfloat16()
-    got = torch.ops.sluice.linear_q4_unpack(pack_q4_1(b), n, k)
+def test_unpack_gives_the_bf16_packed_weight(n, k, kind):
+    b = _blocks(n, k, n + k, kind)
+    w = dequantize_blocks(kind, b).bfloat16()
+    got = torch.ops.sluice.linear_unpack_blocks(pack_blocks(kind, b), n, k)
     assert torch.equal(_bits(got), _bits(pack_weight(w)))
 
 
@@ -86,26 +95,29 @@ def test_unpack_gives_the_bf16_packed_weight(n, k):
 ROWS = [1, 2, 5, 6, 7, 16, 31, 32, 33, 64, 100, 191, 192, 200, 513]
 
 
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
 @pytest.mark.parametrize("n,k,silu_mul", [(960, 576, False), (576, 1536, False), (48, 64, False), (80, 96, False),
                                           (3072, 576, True), (96, 64, True)])
-def test_linear_from_q4_1_gives_the_bf16_bits(n, k, silu_mul, linear_path):
-    b = _blocks(n, k, 7 * n + k)
-    w = dequantize_q4_1(b).bfloat16()
+def test_linear_from_blocks_gives_the_bf16_bits(n, k, silu_mul, kind, linear_path):
+    b = _blocks(n, k, 7 * n + k, kind)
+    w = dequantize_blocks(kind, b).bfloat16()
     bias = torch.randn(n, generator=torch.Generator().manual_seed(n)).bfloat16() if n == 80 else None
     ref = PackedLinear(w, bias, silu_mul=silu_mul)
-    q4 = PackedLinear(w, bias, silu_mul=silu_mul, q4_1=b)
-    assert (ref.format, q4.format) == ("bf16", "q4_1")
-    assert q4.packed.numel() * 8 == ref.packed.numel() * 5     # 0.625 bytes a weight against 2
+    lin = PackedLinear(w, bias, silu_mul=silu_mul, blocks=(kind, b))
+    assert (ref.format, lin.format) == ("bf16", kind)
+    # 0.625 (Q4_1) or 1.0625 (Q8_0) bytes a weight against bf16's 2
+    assert lin.packed.numel() * 16 == ref.packed.numel() * (10 if kind == "q4_1" else 17)
     g = torch.Generator().manual_seed(k)
     for m in ROWS:
         x = torch.randn(m, k, generator=g).bfloat16()
-        assert torch.equal(_bits(q4(x)), _bits(ref(x))), f"{m} rows"
+        assert torch.equal(_bits(lin(x)), _bits(ref(x))), f"{m} rows"
 
 
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
 @pytest.mark.parametrize("m", [1, 9, 40, 300])
-def test_q4_1_bits_do_not_depend_on_threads(m, linear_path):
-    b = _blocks(960, 576, 3)
-    lin = PackedLinear(dequantize_q4_1(b).bfloat16(), None, q4_1=b)
+def test_block_bits_do_not_depend_on_threads(m, kind, linear_path):
+    b = _blocks(960, 576, 3, kind)
+    lin = PackedLinear(dequantize_blocks(kind, b).bfloat16(), None, blocks=(kind, b))
     x = torch.randn(m, 576, generator=torch.Generator().manual_seed(m)).bfloat16()
     prev = torch.get_num_threads()
     try:
@@ -120,28 +132,32 @@ def test_q4_1_bits_do_not_depend_on_threads(m, linear_path):
 
 def test_blocks_that_are_not_the_weight_stay_bf16(caplog):
     b = _blocks(64, 64, 4)
-    w = dequantize_q4_1(b).bfloat16()
+    w = dequantize_blocks("q4_1", b).bfloat16()
     wrong = b.clone()
     wrong[5, 1, 4] ^= 0x3  # two weights of row 5 changed
     with caplog.at_level(logging.WARNING):
-        lin = PackedLinear(w, None, q4_1=wrong)
+        lin = PackedLinear(w, None, blocks=("q4_1", wrong))
     assert lin.format == "bf16" and "do not dequantize" in caplog.text
     x = torch.randn(3, 64).bfloat16()
     assert torch.equal(_bits(lin(x)), _bits(PackedLinear(w, None)(x)))
 
 
-def test_bad_q4_1_inputs_are_refused():
+def test_bad_block_inputs_are_refused():
     b = _blocks(32, 64, 5)
-    packed = pack_q4_1(b)
+    packed = pack_blocks("q4_1", b)
     x = torch.randn(2, 64).bfloat16()
-    with pytest.raises(RuntimeError, match="Q4_1"):
+    with pytest.raises(RuntimeError, match="GGUF blocks"):
         torch.ops.sluice.linear_bf16(x, packed[:-1], 32, None)
     with pytest.raises(RuntimeError, match="K of 32"):
         torch.ops.sluice.linear_bf16(torch.randn(2, 48).bfloat16(), packed, 32, None)
-    with pytest.raises(ValueError, match="Q4_1 blocks must be"):
-        pack_q4_1(b[:, :, :18])
+    with pytest.raises(RuntimeError, match="GGUF blocks"):   # Q4_1 bytes read as Q8_0: the size is wrong
+        torch.ops.sluice.linear_bf16(x, packed.view(torch.int8), 32, None)
+    with pytest.raises(ValueError, match="q4_1 blocks must be"):
+        pack_blocks("q4_1", b[:, :, :18])
     with pytest.raises(ValueError, match="multiple of 16"):
-        pack_q4_1(b[:8])
+        pack_blocks("q4_1", b[:8])
+    with pytest.raises(ValueError, match="unknown block format"):
+        pack_blocks("q5_0", b)
 
 
 @pytest.fixture(scope="module")
@@ -156,13 +172,15 @@ def models():
                  for fmt in ("native", "bf16")}
 
 
-def test_smollm2_linears_read_the_files_q4_1_blocks(models):
+def test_smollm2_linears_read_the_files_blocks(models):
     _, by_format = models
     packed = {fmt: [m for m in model.modules() if isinstance(m, PackedLinear)] for fmt, model in by_format.items()}
-    # 30 layers x (qkv, o, gate/up, down): every one Q4_1 in the file; the tied LM head (Q8_0
-    # embeddings) stays bf16.
-    assert [m.format for m in packed["native"]].count("q4_1") == 120
-    assert [m.format for m in packed["bf16"]].count("q4_1") == 0
+    # 30 layers x (qkv, o, gate/up, down): every one Q4_1 in the file; the tied LM head reads the
+    # Q8_0 embeddings' blocks (the embedding lookup keeps its bf16 copy).
+    formats = [m.format for m in packed["native"]]
+    assert (formats.count("q4_1"), formats.count("q8_0"), len(formats)) == (120, 1, 121)
+    assert by_format["native"].lm_head.format == "q8_0"
+    assert {m.format for m in packed["bf16"]} == {"bf16"}
     q4 = [m for m in packed["native"] if m.format == "q4_1"]
     assert sum(m.packed.numel() for m in q4) * 8 == 5 * sum(m.in_features * m.out_features for m in q4)
 
