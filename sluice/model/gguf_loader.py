@@ -440,7 +440,6 @@ class GGUFCheckpoint:
                 w = w.copy()
             yield entry.hf_name, torch.from_numpy(w).to(dtype)
 
-
     # GGUF block types a packed linear can keep (sluice/model/packed_linear.py's BLOCK_FORMATS).
     _BLOCK_TYPES = {GGMLQuantizationType.Q4_1: ("q4_1", 20), GGMLQuantizationType.Q8_0: ("q8_0", 34)}
 
