@@ -62,6 +62,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-huge-pages", dest="huge_pages", action="store_false",
                    help="keep weights and KV cache on ordinary pages (default: transparent huge pages "
                         "where the kernel offers them)")
+    # config.WEIGHT_FORMATS's values (config imports torch, which this module leaves to the engine)
     p.add_argument("--weight-format", choices=("native", "bf16"), default="native",
                    help="native: a GGUF file's Q4_1 / Q8_0 weights of linear layers stay in their blocks in "
                         "memory and the CPU kernels dequantize them as they compute (the same bf16 values, so "

@@ -183,6 +183,15 @@ class SpeculativeConfig:
         return cls(**d)
 
 
+# How a checkpoint's weights sit in memory (EngineConfig.weight_format, `--weight-format`).
+WEIGHT_FORMATS = ("native", "bf16")
+
+
+def check_weight_format(fmt: str) -> None:
+    if fmt not in WEIGHT_FORMATS:
+        raise ValueError(f"weight_format must be one of {WEIGHT_FORMATS}, not {fmt!r}")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model_path: str
@@ -195,7 +204,7 @@ class EngineConfig:
     num_threads: Optional[int] = None
     # Weights and KV cache on transparent huge pages where the kernel offers them (sluice/hugepages.py).
     huge_pages: bool = True
-    # "native": a GGUF file's Q4_1 / Q8_0 weights of linear layers stay in its blocks in memory, which
+    # One of WEIGHT_FORMATS. "native": a GGUF file's Q4_1 / Q8_0 weights of linear layers stay in its blocks in memory, which
     # the CPU kernels dequantize as they compute (the same bf16 weights, bit for bit); "bf16":
     # dequantized at load.
     weight_format: str = "native"
@@ -206,8 +215,7 @@ class EngineConfig:
     stall_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
-        if self.weight_format not in ("native", "bf16"):
-            raise ValueError(f"weight_format must be 'native' or 'bf16', not {self.weight_format!r}")
+        check_weight_format(self.weight_format)
         if not self.stall_timeout_s > 0:
             raise ValueError("the stall timeout must be a positive number of seconds")
 

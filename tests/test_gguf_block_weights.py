@@ -18,7 +18,7 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
 from sluice.attention.cpu import extension
-from sluice.model.packed_linear import PackedLinear, block_values, dequantize_blocks, pack_blocks, pack_weight
+from sluice.model.packed_linear import PackedLinear, block_values, pack_blocks, pack_weight
 
 from test_kernels_cpu import MODEL, linear_path  # noqa: F401  (the fixture: AMX and vector paths)
 
@@ -45,15 +45,29 @@ def _blocks(n: int, k: int, seed: int, kind: str = "q4_1") -> torch.Tensor:
     return torch.cat([d, m, torch.randint(0, 256, (n, kb, 16), generator=g, dtype=torch.uint8)], dim=2)
 
 
+_QTYPES = {"q4_1": GGMLQuantizationType.Q4_1, "q8_0": GGMLQuantizationType.Q8_0}
+
+
+def dequantize_blocks(kind: str, blocks: torch.Tensor) -> torch.Tensor:
+    """The float32 weight [N, K] gguf dequantizes the blocks to: the reference."""
+    n = blocks.shape[0]
+    return torch.from_numpy(dequantize(blocks.numpy().reshape(n, -1), _QTYPES[kind]).reshape(n, -1))
+
+
 def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.int16)
 
 
 @pytest.mark.parametrize("kind,qtype", [("q4_1", GGMLQuantizationType.Q4_1), ("q8_0", GGMLQuantizationType.Q8_0)])
 def test_dequantize_matches_gguf(kind, qtype):
+    """block_values reads d, m and q where gguf does: its weights, computed as gguf computes them."""
     b = _blocks(48, 96, 1, kind)
     want = dequantize(b.numpy().reshape(48, -1), qtype).reshape(48, 96)
-    assert np.array_equal(dequantize_blocks(kind, b).numpy(), want)
+    d, m, q = block_values(kind, b)
+    got = q.reshape(48, 3, 32).float() * d.float().reshape(48, 3, 1)
+    if m is not None:
+        got = got + m.float().reshape(48, 3, 1)
+    assert np.array_equal(got.reshape(48, 96).numpy(), want)
 
 
 def test_pack_layout_by_hand():

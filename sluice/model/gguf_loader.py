@@ -441,7 +441,7 @@ class GGUFCheckpoint:
             yield entry.hf_name, torch.from_numpy(w).to(dtype)
 
     # GGUF block types a packed linear can keep (sluice/model/packed_linear.py's BLOCK_FORMATS).
-    _BLOCK_TYPES = {GGMLQuantizationType.Q4_1: ("q4_1", 20), GGMLQuantizationType.Q8_0: ("q8_0", 34)}
+    _BLOCK_TYPES = {GGMLQuantizationType.Q4_1: "q4_1", GGMLQuantizationType.Q8_0: "q8_0"}
 
     def iter_blocks(self) -> Iterator[tuple[str, str, torch.Tensor]]:
         """Yield `(hf_name, kind, blocks)` for every 2-D Q4_1 ("q4_1") or Q8_0 ("q8_0") tensor: its
@@ -451,12 +451,11 @@ class GGUFCheckpoint:
         for entry in self._entries:
             if entry.info.qtype not in self._BLOCK_TYPES or len(entry.info.dims) != 2:
                 continue
-            kind, width = self._BLOCK_TYPES[entry.info.qtype]
             rows, cols = entry.info.dims
-            blocks = self._file.raw(entry.info).reshape(rows, cols // 32, width)
+            blocks = self._file.raw(entry.info).reshape(rows, cols // 32, -1)  # [rows, row bytes] -> blocks
             if entry.rotary_heads is not None:
                 blocks = _unpermute_rotary(blocks, entry.rotary_heads)
-            yield entry.hf_name, kind, torch.from_numpy(np.array(blocks))  # a copy: the map is read-only
+            yield entry.hf_name, self._BLOCK_TYPES[entry.info.qtype], torch.from_numpy(np.array(blocks))  # a copy: the map is read-only
 
 
 def read_gguf(path: str | Path) -> GGUFCheckpoint:

@@ -11,7 +11,7 @@ from torch import nn
 
 from sluice import hugepages
 from sluice.attention.base import AttentionBackend
-from sluice.config import ModelConfig
+from sluice.config import ModelConfig, check_weight_format
 from sluice.model.registry import create_model
 from sluice.tokenizer import Tokenizer
 
@@ -107,8 +107,7 @@ def load_model(path: Path, cfg: ModelConfig, dtype: torch.dtype, backend: Attent
     `weight_format` "native", the packed linears of a GGUF file's Q4_1 and Q8_0 tensors keep its
     blocks (where the CPU kernels compute from them: the same bf16 weights, read from a third to a
     half of the memory); "bf16" dequantizes every weight at load."""
-    if weight_format not in ("native", "bf16"):
-        raise ValueError(f"weight_format must be 'native' or 'bf16', not {weight_format!r}")
+    check_weight_format(weight_format)
     prev = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:

@@ -72,16 +72,6 @@ def block_values(kind: str, blocks: torch.Tensor) -> tuple[torch.Tensor, Optiona
     return d, m, torch.stack((qs & 0xF, qs >> 4), dim=2).reshape(n, kb * 32)
 
 
-def dequantize_blocks(kind: str, blocks: torch.Tensor) -> torch.Tensor:
-    """GGUF blocks -> float32 [N, K] as gguf computes them: Q4_1 d * q + m, Q8_0 q * d, in float32."""
-    d, m, q = block_values(kind, blocks)
-    n, kb = d.shape
-    w = q.reshape(n, kb, 32).float() * d.float().reshape(n, kb, 1)
-    if m is not None:
-        w = w + m.float().reshape(n, kb, 1)
-    return w.reshape(n, kb * 32)
-
-
 def pack_blocks(kind: str, blocks: torch.Tensor) -> torch.Tensor:
     """GGUF blocks [N, K / 32, bytes] of a weight [N, K] -> the kernel's packed layout
     (linear_common.h; flat, uint8 for Q4_1, int8 for Q8_0): per 16-column vector, per block of 32
@@ -100,8 +90,7 @@ def pack_blocks(kind: str, blocks: torch.Tensor) -> torch.Tensor:
         qbytes = lanes.contiguous().view(torch.uint8).reshape(v, kb, 512)
     scales = [t.reshape(v, 16, kb).permute(0, 2, 1).contiguous().view(torch.uint8).reshape(v, kb, 32)
               for t in ((d, m) if m is not None else (d,))]
-    packed = torch.cat([*scales, qbytes], dim=2).reshape(-1).contiguous()
-    return packed if kind == "q4_1" else packed.view(torch.int8)
+    return torch.cat([*scales, qbytes], dim=2).reshape(-1).contiguous().view(BLOCK_FORMATS[kind][1])
 
 
 def gate_up_order(n: int) -> torch.Tensor:

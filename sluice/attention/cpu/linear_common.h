@@ -35,6 +35,11 @@ inline int64_t block_bytes(at::ScalarType type, int64_t n, int64_t k) {
 }
 inline bool is_blocks(at::ScalarType type) { return type == at::kByte || type == at::kChar; }
 
+inline void check_blocks(const at::Tensor& packed, int64_t n, int64_t k) {
+  TORCH_CHECK(n % 16 == 0 && k % kBlockK == 0 && packed.numel() == block_bytes(packed.scalar_type(), n, k),
+              "GGUF blocks (Q4_1, Q8_0): N must be a multiple of 16, K of 32, and match the packed weight");
+}
+
 template <typename Isa>
 void check_common(const at::Tensor& x, const at::Tensor& packed, int64_t n, int64_t k) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.stride(1) == 1, "x must be [M, K] bf16, rows contiguous");
@@ -42,8 +47,7 @@ void check_common(const at::Tensor& x, const at::Tensor& packed, int64_t n, int6
   TORCH_CHECK(packed.is_contiguous(), "packed weight must be contiguous");
   if (is_blocks(packed.scalar_type())) {
     TORCH_CHECK(Isa::kBlocks, "this CPU's kernel set computes from bf16 packed weights only, not GGUF blocks");
-    TORCH_CHECK(n % 16 == 0 && k % kBlockK == 0 && packed.numel() == block_bytes(packed.scalar_type(), n, k),
-                "GGUF blocks (Q4_1, Q8_0): N must be a multiple of 16, K of 32, and match the packed weight");
+    check_blocks(packed, n, k);
     return;
   }
   TORCH_CHECK(packed.scalar_type() == at::kBFloat16, "packed weight must be bf16, or GGUF blocks (Q4_1 uint8, Q8_0 int8)");
@@ -80,8 +84,7 @@ template <typename Isa>
 at::Tensor linear_unpack_blocks(const at::Tensor& packed, int64_t n, int64_t k) {
   TORCH_CHECK(is_blocks(packed.scalar_type()) && packed.is_contiguous(),
               "GGUF blocks must be a contiguous uint8 (Q4_1) or int8 (Q8_0) tensor");
-  TORCH_CHECK(n % 16 == 0 && k % kBlockK == 0 && packed.numel() == block_bytes(packed.scalar_type(), n, k),
-              "GGUF blocks (Q4_1, Q8_0): N must be a multiple of 16, K of 32, and match the packed weight");
+  check_blocks(packed, n, k);
   at::Tensor out = at::empty({n * k}, packed.options().dtype(at::kBFloat16));
   if constexpr (Isa::kBlocks) Isa::unpack(packed, n, k, out.data_ptr<c10::BFloat16>());
   else TORCH_CHECK(false, "this CPU's kernel set computes from bf16 packed weights only, not GGUF blocks");
