@@ -56,6 +56,18 @@ async def _handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) ->
         if mode == "ok":
             writer.write(_sse(USAGE))
         writer.write(_sse(b"[DONE]"))
+    elif mode == "separators":
+        # JSON with U+2028/U+0085 raw in its strings (as pydantic writes them), CRLF and CR line
+        # ends, and writes that split a character and a CRLF in two
+        first = json.dumps({"choices": [{"index": 0, "delta": {"content": " x\u2028y"}}]}, ensure_ascii=False)
+        last = json.dumps({"choices": [{"index": 0, "delta": {"content": "\x85z"}, "finish_reason": "stop"}]},
+                          ensure_ascii=False)
+        stream = b"data: " + first.encode() + b"\r\n\r\n" + b"data: " + last.encode() + b"\r\r" + b"data: [DONE]\r\n\r\n"
+        cuts = [stream.index("\u2028".encode()) + 1, stream.index(b"\r\n") + 1, stream.index("\x85".encode()) + 1]
+        for begin, end in zip([0] + cuts, cuts + [len(stream)]):
+            writer.write(stream[begin:end])
+            await writer.drain()
+            await asyncio.sleep(0.02)
     # mode "cut": close without [DONE]
     await writer.drain()
     writer.close()
@@ -126,6 +138,14 @@ def test_per_call_timeout_covers_a_stalled_stream():
 def test_stream_cut_before_done_is_a_connection_failure():
     rec = run(_with_server("cut"))
     assert rec.status is CallStatus.CONNECTION and "[DONE]" in rec.error
+
+
+def test_unicode_line_separators_inside_json_do_not_split_events():
+    """SSE ends lines only at CRLF, LF or CR: U+2028/U+0085 raw inside a chunk's JSON (vLLM's
+    pydantic chunks carry them so) is text, not a line break, even split across reads."""
+    rec = run(_with_server("separators"))
+    assert rec.status is CallStatus.OK, rec.error
+    assert rec.text == "a x\u2028y\x85z" and rec.num_chunks == 3 and rec.finish_reason == "stop"
 
 
 def test_error_event_and_bad_json():

@@ -417,6 +417,32 @@ def test_text_chunk_template_is_the_pydantic_chunk(text):
         fast = TextChunkTemplate(render)(text)
         assert fast.startswith("data: ") and fast.endswith("\n\n")
         assert json.loads(fast[6:-2]) == json.loads(render(text)[6:-2])
+        # one event is one line even for readers that split like str.splitlines (httpx)
+        assert len(fast[:-2].splitlines()) == len(render(text)[:-2].splitlines()) == 1
+
+
+SEPARATORS = "a\x85b\u2028c\u2029d"
+
+
+def test_streamed_text_with_unicode_line_separators_stays_one_line_per_event(server: RemoteServer,
+                                                                              model: str) -> None:
+    """Text holding U+0085/U+2028/U+2029 (which JSON leaves raw) streams as one line per event for
+    httpx's `iter_lines`, which splits like `str.splitlines`: the completion's echoed prompt and
+    the Responses API's echoed instructions come back intact."""
+    def events(path: str, body: dict) -> list[dict]:
+        with httpx.Client(base_url=server.base_url, timeout=60) as http:
+            with http.stream("POST", path, json=body) as resp:
+                assert resp.status_code == 200
+                return [json.loads(line[6:]) for line in resp.iter_lines()
+                        if line.startswith("data: ") and line != "data: [DONE]"]
+
+    completion = events("/completions", {"model": model, "prompt": SEPARATORS, "echo": True,
+                                         "max_tokens": 2, "temperature": 0, "stream": True})
+    assert "".join(c["text"] for e in completion for c in e["choices"]).startswith(SEPARATORS)
+    responses = events("/responses", {"model": model, "input": "Hi", "instructions": SEPARATORS,
+                                      "max_output_tokens": 2, "stream": True, "store": False})
+    assert responses[0]["type"] == "response.created"
+    assert responses[0]["response"]["instructions"] == SEPARATORS
 
 
 def test_speculative_server_streams_the_same_text(server: RemoteServer, model: str) -> None:

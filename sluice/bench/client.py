@@ -4,9 +4,10 @@ from __future__ import annotations
 import asyncio
 import enum
 import json
+import re
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, AsyncIterator, Callable, Optional
 
 import httpx
 
@@ -190,7 +191,7 @@ async def _stream(
             detail = (await resp.aread()).decode(errors="replace")[:500]
             raise _CallFailed(CallStatus.HTTP, f"HTTP {resp.status_code}: {detail}")
         done = False
-        async for line in resp.aiter_lines():
+        async for line in sse_lines(resp):
             now = time.perf_counter() - t0
             if not line.startswith("data:"):
                 continue                          # blank separators, comments, `event:` lines
@@ -209,6 +210,27 @@ async def _stream(
             _take_chunk(chunk, record, pieces, now, on_chunk)
         if not done:
             raise _CallFailed(CallStatus.CONNECTION, "stream ended before [DONE]")
+
+
+_LINE_END = re.compile(rb"\r\n|\r|\n")
+
+
+async def sse_lines(resp: httpx.Response) -> AsyncIterator[str]:
+    """The lines of a server-sent-event stream, ended only where the SSE spec ends a line (CRLF,
+    LF, CR). httpx's `aiter_lines` splits like `str.splitlines`, at U+0085/U+2028/U+2029 too, which
+    a server's JSON may carry raw inside a string (pydantic writes them so): that would cut one
+    event in two and count a good call as a protocol failure."""
+    pending = b""
+    async for data in resp.aiter_bytes():
+        pending += data
+        cr = pending.endswith(b"\r")             # may be the first half of a CRLF: keep it
+        *lines, rest = _LINE_END.split(pending[:-1] if cr else pending)
+        pending = rest + b"\r" if cr else rest
+        for line in lines:
+            yield line.decode("utf-8", errors="replace")
+    pending = pending.rstrip(b"\r")
+    if pending:
+        yield pending.decode("utf-8", errors="replace")
 
 
 def _take_chunk(

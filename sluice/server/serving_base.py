@@ -89,8 +89,18 @@ class ClientDisconnected(Exception):
 SSE_DONE = "data: [DONE]\n\n"
 
 
+def escape_line_breaks(json_text: str) -> str:
+    """Escape the characters that JSON leaves raw but line readers split on (U+0085, U+2028,
+    U+2029: `str.splitlines`, and with it httpx's `aiter_lines`, breaks lines there), so one SSE
+    event stays one line for every client. JSON admits them only inside strings, where the
+    escape means the same character."""
+    if "\x85" in json_text or "\u2028" in json_text or "\u2029" in json_text:
+        json_text = json_text.replace("\x85", "\\u0085").replace("\u2028", "\\u2028").replace("\u2029", "\\u2029")
+    return json_text
+
+
 def sse_event(payload: BaseModel) -> str:
-    return f"data: {payload.model_dump_json()}\n\n"
+    return f"data: {escape_line_breaks(payload.model_dump_json())}\n\n"
 
 
 class TextChunkTemplate:
@@ -111,7 +121,7 @@ class TextChunkTemplate:
         self._head, self._tail = parts
 
     def __call__(self, text: str) -> str:
-        return self._head + json.dumps(text, ensure_ascii=False) + self._tail
+        return self._head + escape_line_breaks(json.dumps(text, ensure_ascii=False)) + self._tail
 
 
 class SSEResponse(StreamingResponse):

@@ -43,6 +43,7 @@ from sluice.server.serving_base import (
     GenerationStreams,
     SSEResponse,
     api_error_from,
+    escape_line_breaks,
     parse_request,
     raise_if_failed,
 )
@@ -542,7 +543,7 @@ class _Reply:
 
         def sse(kind: str, fields: dict[str, Any]) -> str:
             payload = {"type": kind, "sequence_number": next(sequence), **fields}
-            return f"event: {kind}\ndata: {json.dumps(payload, ensure_ascii=False)}\n\n"
+            return f"event: {kind}\ndata: {escape_line_breaks(json.dumps(payload, ensure_ascii=False))}\n\n"
 
         def lifecycle(kind: str, status: str) -> str:
             return sse(kind, {"response": self.serving.response_object(
