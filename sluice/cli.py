@@ -46,6 +46,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="with --max-active-workflows auto: the share of the wall clock spent on fixed "
                         "step costs and idling that the bound steers between; a lower band keeps more "
                         "workflows in flight (throughput), a higher one fewer (latency) (default 0.06,0.09)")
+    p.add_argument("--auto-step-ratio", type=parse_step_ratio, default=None, metavar="LOW,HIGH|none",
+                   help="with --max-active-workflows auto: a cap on the bound by how long a step lasts "
+                        "against what a typical call's own prompt costs: it rises only while the ratio is "
+                        "under LOW and falls while it is over HIGH; none: no cap (default 0.8,1.0)")
     p.add_argument("--decode-yield-steps", type=int, default=1, metavar="N",
                    help="while prompt tokens wait, running decodes sit out up to N consecutive steps so "
                         "the prompts get them alone (lower time to first token); 0: every step carries "
@@ -125,6 +129,19 @@ def parse_overhead_band(text: str) -> tuple[float, float]:
     return low, high
 
 
+def parse_step_ratio(text: str):
+    """`--auto-step-ratio LOW,HIGH`: 0 < LOW < HIGH; or `none` (no cap: "none")."""
+    if text.strip().lower() == "none":
+        return "none"
+    try:
+        low, high = (float(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected LOW,HIGH (two ratios) or none, got {text!r}") from None
+    if not 0.0 < low < high:
+        raise argparse.ArgumentTypeError(f"expected 0 < LOW < HIGH, got {text!r}")
+    return low, high
+
+
 def parse_max_active_workflows(text: str):
     """`--max-active-workflows`: a positive integer, `auto`, or `none` (no bound: None)."""
     word = text.strip().lower()
@@ -161,6 +178,9 @@ def build_engine_config(args: argparse.Namespace):
     model_path = resolve_model_path(args.model)
     model_cfg = load_model_config(model_path)
     max_len = args.max_model_len or model_cfg.max_position_embeddings
+    # not given: SchedulerConfig's default
+    step_ratio = {} if args.auto_step_ratio is None else \
+        {"auto_step_ratio": None if args.auto_step_ratio == "none" else args.auto_step_ratio}
     return EngineConfig(
         model_path=str(model_path),
         model=model_cfg,
@@ -183,6 +203,7 @@ def build_engine_config(args: argparse.Namespace):
             admit_backlog_steps=args.admit_backlog_steps,
             max_active_workflows=args.max_active_workflows,
             auto_overhead_band=args.auto_overhead_band,
+            **step_ratio,
             decode_yield_steps=args.decode_yield_steps,
             close_step_tokens=args.close_step_tokens,
         ),

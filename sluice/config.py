@@ -107,6 +107,10 @@ class SchedulerConfig:
     # wall clock) the bound steers into; lower keeps more workflows in flight. None: the
     # controller's default (WorkflowLimit.OVERHEAD_LOW, OVERHEAD_HIGH).
     auto_overhead_band: Optional[tuple[float, float]] = None
+    # With "auto": a cap on the bound, (low, high) of a step's mean length over what the mean
+    # call's own prompt costs: the bound rises only while the ratio is under low and falls while
+    # it is over high, whatever the overhead (None: no cap). See engine/admission.py.
+    auto_step_ratio: Optional[tuple[float, float]] = (0.8, 1.0)
     # While prompt tokens wait, running decodes sit out up to this many consecutive steps, so
     # the prompts get those steps alone and their first tokens come one decode pass sooner
     # (0: every step carries every running decode first). See Scheduler.schedule.
@@ -129,6 +133,9 @@ class SchedulerConfig:
             raise ValueError("auto_overhead_band must be (low, high) with 0 < low < high < 1")
         if band is not None and m != "auto":
             raise ValueError('auto_overhead_band steers max_active_workflows="auto" and means nothing with a fixed or no bound')
+        ratio = self.auto_step_ratio
+        if ratio is not None and not (len(ratio) == 2 and 0.0 < ratio[0] < ratio[1]):
+            raise ValueError("auto_step_ratio must be (low, high) with 0 < low < high, or None")
         if self.decode_yield_steps < 0:
             raise ValueError("decode_yield_steps must be >= 0")
         if self.close_step_tokens is not None and self.close_step_tokens < 0:

@@ -6,10 +6,12 @@ import logging
 import math
 import random
 import re
+from pathlib import Path
 
 import pytest
 
 from sched_utils import create_request, create_scheduler, drain
+from sluice import LLM, SamplingParams
 from sluice.engine.admission import StepCostModel, StepShape, WorkflowLimit
 
 FIXED = 0.035      # s: a step's fixed cost in the simulated engines below
@@ -18,7 +20,9 @@ PER_PROMPT = 0.0018
 
 
 def shape(rows: int, prompt: int = 0, ctx_k: float = 1.0) -> StepShape:
-    return StepShape(rows=rows, prompt_tokens=prompt, prompt_attn=prompt * ctx_k, decode_ctx=rows * ctx_k)
+    """A step of `rows` decode rows and one whole prompt of `prompt` tokens (if any)."""
+    return StepShape(rows=rows, prompt_tokens=prompt, prompt_attn=prompt * ctx_k, decode_ctx=rows * ctx_k,
+                     prompts_done=1 if prompt else 0)
 
 
 def cost(s: StepShape) -> float:
@@ -130,10 +134,10 @@ class Engine:
     only as workflows end. Each step's time is `cost`."""
 
     def __init__(self, limit: WorkflowLimit, tool_share: float = 0.1, seed: int = 0,
-                 rows_per_call: int = 6, step_cost=cost) -> None:
+                 rows_per_call: int = 6, step_cost=cost, prompt_share: float = 0.05) -> None:
         self.limit, self.rng, self.t, self.tool_share = limit, random.Random(seed), 0.0, tool_share
         self.active = limit.value
-        self.rows_per_call, self.step_cost = rows_per_call, step_cost
+        self.rows_per_call, self.step_cost, self.prompt_share = rows_per_call, step_cost, prompt_share
 
     def run(self, seconds: float) -> list[int]:
         seen = []
@@ -143,7 +147,7 @@ class Engine:
             if in_call == 0:
                 self.t += 0.2                       # everyone on a tool: the engine idles
                 continue
-            s = shape(rows=self.rows_per_call * in_call, prompt=256 if self.rng.random() < PROMPT_SHARE else 0,
+            s = shape(rows=self.rows_per_call * in_call, prompt=256 if self.rng.random() < self.prompt_share else 0,
                       ctx_k=self.rng.uniform(0.5, 2.0))
             start, self.t = self.t, self.t + self.step_cost(s)
             if self.rng.random() < 0.05:            # a workflow ends now and then
@@ -336,6 +340,55 @@ def overhead_at_rows(rows: int) -> float:
     return FIXED / cost(shape(rows + 1, ctx_k=1.5))
 
 
+def amx_cost(s: StepShape) -> float:
+    """A machine whose fixed cost outweighs its rows (the AMX host's kind): its overhead stays above
+    the band up to the maximum of 64 workflows."""
+    return 0.025 + 0.0004 * s.rows + 0.0002 * s.prompt_tokens + 0.00005 * s.prompt_attn + 0.0002 * s.decode_ctx
+
+
+AMX_PROMPT_SHARE = 0.3
+AMX_CALL_PROMPT = 256 * 0.0002 + 0.00005 * 256 * 1.25      # one call's own prompt (ctx_k 1.25 on average)
+
+
+def amx_mean_step(n: int) -> float:
+    """The mean step of n workflows in `Engine` on `amx_cost` (rows of 0.9 n calls)."""
+    return 0.025 + (0.0004 + 0.0002 * 1.25) * 6 * 0.9 * n + AMX_PROMPT_SHARE * AMX_CALL_PROMPT
+
+
+def test_the_prompt_cost_comes_from_the_fit_behind_the_fixed_cost():
+    rng = random.Random(3)
+    m = StepCostModel()
+    assert m.prompt_cost(256, 256) is None                          # no fit yet
+    for _ in range(600):
+        s = shape(rng.randint(1, 60), prompt=rng.choice([0, 0, 64, 256]), ctx_k=rng.uniform(0.5, 2))
+        m.observe(s, cost(s) * rng.uniform(0.97, 1.03))
+    assert m.fixed_cost() == pytest.approx(FIXED, rel=0.15)
+    assert m.prompt_cost(256, 256 * 1.25) == pytest.approx(256 * (PER_PROMPT + 0.0004 * 1.25), rel=0.05)
+
+
+@pytest.mark.parametrize("initial", [WorkflowLimit.INITIAL, 40])
+def test_the_step_ratio_caps_the_bound_where_steps_outlast_a_calls_own_prompt(initial, caplog):
+    """`--auto-step-ratio LOW,HIGH`: on a machine whose overhead never enters the band (the bound
+    would climb to the maximum, every step longer), the bound rises only while the mean step is
+    under LOW times what the mean call's own prompt costs and falls while it is over HIGH, from
+    below and from above; with no cap (None) the same engine climbs far past it."""
+    cap = (1.5, 2.0)
+    lim = WorkflowLimit(auto=True, maximum=64, initial=initial, step_ratio=cap)
+    with caplog.at_level(logging.INFO, logger="sluice.engine"):
+        settled = Engine(lim, step_cost=amx_cost, prompt_share=AMX_PROMPT_SHARE).run(900.0)[-2000:]
+    lo = min(n for n in range(1, 64) if amx_mean_step(n) / AMX_CALL_PROMPT >= cap[0])
+    hi = max(n for n in range(1, 64) if amx_mean_step(n) / AMX_CALL_PROMPT <= cap[1])
+    assert 8 < lo <= hi < 40 and 0.025 / amx_mean_step(64) > WorkflowLimit.OVERHEAD_HIGH, (lo, hi)
+    assert lo - 2 <= min(settled) and max(settled) <= hi + 1, (lo, hi, min(settled), max(settled))
+    mean = sum(settled) / len(settled)
+    assert lim.last_step_ratio == pytest.approx(amx_mean_step(round(mean)) / AMX_CALL_PROMPT, rel=0.2)
+    moves = [r.getMessage() for r in caplog.records if r.getMessage().startswith("workflow bound")]
+    assert any(re.search(r"; step \d\.\d\d of a call's prompt \(cap 1\.50-2\.00\)$", m) for m in moves), moves
+    free = WorkflowLimit(auto=True, maximum=64, initial=initial)
+    assert min(Engine(free, step_cost=amx_cost, prompt_share=AMX_PROMPT_SHARE).run(900.0)[-2000:]) > hi + 10
+    assert free.last_step_ratio is None
+
+
 def test_a_fixed_bound_never_moves():
     lim = WorkflowLimit(fixed=8)
     for i in range(100):
@@ -415,3 +468,29 @@ def test_each_move_of_the_auto_bound_is_logged_with_what_the_controller_saw(capl
     assert fixed_ms == pytest.approx(FIXED * 1e3, rel=0.01)     # the fit of these exact steps
     assert idle == 0.0 and period > WorkflowLimit.OVERHEAD_HIGH
     assert period == pytest.approx(steps * FIXED / WorkflowLimit.PERIOD_S, rel=0.05)
+
+
+MODEL = Path.home() / ".cache" / "sluice" / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def test_the_engine_reports_each_prompt_done_once_and_drafted_decodes_not_at_all(monkeypatch):
+    """The cap's signal from a real engine: a prompt chunked over several steps counts once, in
+    the step that samples its first token, and decodes with drafts (several tokens a step, like a
+    prompt chunk) never."""
+    if not MODEL.exists():
+        pytest.skip("default model not downloaded")
+    llm = LLM(str(MODEL), max_model_len=512, kv_cache_tokens=2048, max_num_batched_tokens=64,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 4})
+    limit = llm.engine.scheduler.workflow_limit
+    assert limit.auto
+    shapes: list[StepShape] = []
+    observe = limit.observe_step
+    monkeypatch.setattr(limit, "observe_step", lambda start, end, shape, active: (shapes.append(shape),
+                                                                                 observe(start, end, shape, active)))
+    prompts = ["one two three four " * 30, "The capital of France is"]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+    assert sum(s.prompts_done for s in shapes) == len(prompts)
+    assert sum(s.prompt_tokens for s in shapes) == sum(len(o.prompt_token_ids) for o in outs)
+    assert max(s.prompt_tokens for s in shapes) <= 64 < len(outs[0].prompt_token_ids)   # chunked
+    assert any(s.rows > 2 for s in shapes)                    # drafts were verified
+    assert all(s.prompts_done == 0 for s in shapes if s.prompt_tokens == 0)

@@ -1027,6 +1027,16 @@ def test_max_active_workflows_and_its_band_are_server_flags_auto_by_default_and_
     for bound in (8, None):
         with pytest.raises(ValueError, match="auto_overhead_band"):
             SchedulerConfig(max_active_workflows=bound, auto_overhead_band=(0.05, 0.08))
+    # --auto-step-ratio: not given, the config's default cap; none, no cap
+    assert build_engine_config(parser.parse_args([])).scheduler.auto_step_ratio == SchedulerConfig().auto_step_ratio
+    assert build_engine_config(parser.parse_args(["--auto-step-ratio", "none"])).scheduler.auto_step_ratio is None
+    cfg = build_engine_config(parser.parse_args(["--auto-step-ratio", "0.5,1.5"]))
+    assert cfg.scheduler.auto_step_ratio == (0.5, 1.5)
+    for bad in ("1.0,0.8", "0,1", "0.8", "low,high"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["--auto-step-ratio", bad])
+    with pytest.raises(ValueError, match="auto_step_ratio"):
+        SchedulerConfig(auto_step_ratio=(1.0, 0.8))
 
 
 def test_a_full_sequence_table_with_a_queue_is_not_welcoming():

@@ -48,6 +48,21 @@ workflow per millisecond; near 12 in flight a workflow is worth 0.5-1% of the th
 ~3% of TTFT p50 (session 42: 12.4 in flight on 6.8 ms kept, 15.0 on 8.6 ms, TTFT p50 2.09x and
 1.95x lower than vLLM's), so the spread costs latency more than throughput.
 
+The band alone does not stop on every machine. Where the fixed cost is a large share of every
+step at any number in flight (weights streamed through AMX tiles, sessions 44-49: 0.16-0.23 at
+16-32 workflows), the overhead never enters the band and the bound climbs to the maximum, each
+workflow lengthening every step, and with it every waiting call's wait for its first token, for
+little throughput (session 49 on that host: 16 -> 24 -> 32 in flight gave +6% and +0%, TTFT
+p50 +24% and +20%). So a second signal caps the bound: the mean step against what the mean call's
+own prompt costs (the prompt tokens and attention of the prompts the period completed, per
+prompt, priced by the step-cost fit). A call's prompt waits for the steps before it; a step
+longer than the call's own prompt compute makes that wait the larger part of its time to first
+token. The bound rises only while the ratio (a moving average) is under the cap's low end and
+falls while it is over its high end, whatever the overhead (`--auto-step-ratio LOW,HIGH|none`,
+default 0.8,1.0). Priced so on the session 41 and 49 step traces, it reads 0.46 at 12 workflows
+and 0.65 at 16 on the Zen 4 host, where the band binds first, and 0.94 at 16 and 1.28 at 24 on
+the AMX host, where the band never does.
+
 The bound follows a moving average of the periods' overheads, moves by one (more when far above
 the band) at most once per `PERIOD_S`, and only while it binds: it rises only while as many
 workflows as it allows are in flight, and falls only while no more than it allows are (lowering
@@ -72,6 +87,7 @@ class StepShape:
     prompt_tokens: int    # prefill tokens
     prompt_attn: float    # prefill tokens x the context they attend to, in 1k tokens
     decode_ctx: float     # decodes' context, in 1k tokens
+    prompts_done: int = 0  # prompts this step completed (calls whose first token it sampled); not a regressor
 
     def features(self) -> tuple[float, ...]:
         return (1.0, float(self.rows), float(self.prompt_tokens), self.prompt_attn, self.decode_ctx)
@@ -99,6 +115,9 @@ class StepCostModel:
         # How the last `fixed_cost` was found: None from the window's own fit, else the ratio
         # the kept fit was scaled by.
         self.scale: Optional[float] = None
+        # The coefficients behind the last `fixed_cost` (the kept fit times `scale`, or the
+        # window's own fit), for `prompt_cost`.
+        self.coef: Optional[np.ndarray] = None
 
     def observe(self, shape: StepShape, seconds: float) -> None:
         self._x.append(shape.features())
@@ -111,7 +130,7 @@ class StepCostModel:
         """A step's fixed cost in seconds; None until enough steps were seen, or when they do not
         determine it (all of one shape, and no fit kept) or it comes out outside (0, the median
         step)."""
-        self.scale = None
+        self.scale, self.coef = None, None
         if len(self._y) < self.MIN_STEPS:
             return None
         x, y = np.asarray(self._x), np.asarray(self._y)
@@ -129,8 +148,10 @@ class StepCostModel:
                     and np.all(np.ptp(x[:, 1:], axis=0) > 0):
                 self._ref, self._ref_rows = coef, min(rows, self._ref_rows)
                 self._ref_reach = float(np.percentile(decode_rows, 90))
+            self.coef = coef
             return own
         if self._ref is None:
+            self.coef = coef if own is not None else None
             return own                   # nothing kept yet: the window's own fit, if it has one
         predicted = x @ self._ref
         if not np.all(predicted > 0):
@@ -142,7 +163,19 @@ class StepCostModel:
         ratio = y / predicted
         self.scale = float(np.median(ratio[near] if near.sum() >= self.MIN_STEPS // 2 else ratio))
         fixed = float(self._ref[0]) * self.scale
-        return fixed if 0.0 < fixed < median else None
+        if not 0.0 < fixed < median:
+            return None
+        self.coef = self._ref * self.scale
+        return fixed
+
+    def prompt_cost(self, tokens: float, attn: float) -> Optional[float]:
+        """Seconds the last fit (`fixed_cost`'s) gives `tokens` prompt tokens attending to `attn`
+        (tokens x context, in 1k tokens) beside a step's other work; None without a fit or when
+        it prices prompts at nothing."""
+        if self.coef is None:
+            return None
+        cost = float(self.coef[2]) * tokens + float(self.coef[3]) * attn
+        return cost if cost > 0.0 else None
 
     @staticmethod
     def _fit(x: np.ndarray, y: np.ndarray) -> Optional[np.ndarray]:
@@ -175,22 +208,28 @@ class WorkflowLimit:
     WARMUP_STEPS = StepCostModel.REF_MIN_STEPS
     MINIMUM = 2
 
+    MIN_PROMPTS = 4      # prompts a period must complete for its step ratio to count
+
     def __init__(self, fixed: Optional[int] = None, auto: bool = False, maximum: int = 64,
-                 initial: Optional[int] = None, band: Optional[tuple[float, float]] = None) -> None:
+                 initial: Optional[int] = None, band: Optional[tuple[float, float]] = None,
+                 step_ratio: Optional[tuple[float, float]] = None) -> None:
         assert not (auto and fixed is not None), "a bound is either fixed or automatic"
         self.auto = auto
         # (low, high): the overhead band the bound steers into (`--auto-overhead-band`).
         self.overhead_low, self.overhead_high = band if band is not None else (self.OVERHEAD_LOW, self.OVERHEAD_HIGH)
         assert 0.0 < self.overhead_low < self.overhead_high < 1.0, "the band must be 0 < low < high < 1"
+        # (low, high): the cap on a step's length against a call's own prompt (`--auto-step-ratio`;
+        # None: no cap). The server's default is EngineConfig's.
+        self.step_ratio = step_ratio
+        assert step_ratio is None or 0.0 < step_ratio[0] < step_ratio[1], "the step ratio must be 0 < low < high"
+        self.last_step_ratio: Optional[float] = None
         self.maximum = max(1, maximum)
         start = initial if initial is not None else self.INITIAL
         self.value: Optional[int] = fixed if not auto else max(self.MINIMUM, min(self.maximum, start))
         self.cost = StepCostModel()
         self._period_start: Optional[float] = None
         self._last_end: Optional[float] = None
-        self._busy = 0.0        # seconds of steps this period
-        self._steps = 0
-        self._peak_active = 0   # most workflows in flight at a step's end this period
+        self._reset_period(None, 0)
         self.last_overhead: Optional[float] = None
         self.adjustments = 0
 
@@ -214,13 +253,23 @@ class WorkflowLimit:
         if self._period_start is None or start - self._last_end > self.PERIOD_S:
             # The first step, or the first after a whole period without any: nothing was offered
             # then, which is no overhead of the bound's (a tool call takes seconds, not periods).
-            self._period_start, self._busy, self._steps, self._peak_active = start, 0.0, 0, 0
+            self._reset_period(start, 0)
         self._last_end = end
         self._busy += end - start
         self._steps += 1
         self._peak_active = max(self._peak_active, active)
+        self._prompt_tokens += shape.prompt_tokens
+        self._prompt_attn += shape.prompt_attn
+        self._prompts_done += shape.prompts_done
         if end - self._period_start >= self.PERIOD_S:
             self._close_period(end, active)
+
+    def _reset_period(self, start: Optional[float], peak_active: int) -> None:
+        self._period_start = start
+        self._busy = 0.0        # seconds of steps this period
+        self._steps = 0
+        self._peak_active = peak_active   # most workflows in flight at a step's end this period
+        self._prompt_tokens, self._prompt_attn, self._prompts_done = 0, 0.0, 0
 
     def _close_period(self, now: float, active: int) -> None:
         wall = now - self._period_start
@@ -233,25 +282,46 @@ class WorkflowLimit:
             overhead = period if self.last_overhead is None else \
                 self.SMOOTHING * period + (1 - self.SMOOTHING) * self.last_overhead
             self.last_overhead = overhead
+            self._observe_step_ratio()
             value = self.value
             if self._adjust(overhead, peak_active=self._peak_active, active=active):
                 # What the decision saw, so a bound that climbs or falls can be read back from
                 # the server's log: the fit's fixed cost, this period's steps and idle share.
                 scale = self.cost.scale
+                ratio = self.last_step_ratio if self.step_ratio is not None else None
                 logger.info("workflow bound %d -> %d: overhead %.3f (band %.2f-%.2f); this period "
                             "%.3f = %d steps x %.2f ms fixed%s + %.1f%% idle over %.2f s; "
-                            "%d in flight (peak %d)", value, self.value, overhead, self.overhead_low,
+                            "%d in flight (peak %d)%s", value, self.value, overhead, self.overhead_low,
                             self.overhead_high, period, self._steps, fixed * 1e3,
                             "" if scale is None else f" (kept fit x {scale:.2f})",
-                            100.0 * idle / wall, wall, active, self._peak_active)
-        self._period_start, self._busy, self._steps, self._peak_active = now, 0.0, 0, active
+                            100.0 * idle / wall, wall, active, self._peak_active,
+                            "" if ratio is None else f"; step {ratio:.2f} of a call's prompt "
+                            f"(cap {self.step_ratio[0]:.2f}-{self.step_ratio[1]:.2f})")
+        self._reset_period(now, active)
+
+    def _observe_step_ratio(self) -> None:
+        """The period's mean step against the mean prompt it completed, priced by the step-cost
+        fit (the cap's signal; see the module docstring), into its moving average."""
+        if self.step_ratio is None or self._prompts_done < self.MIN_PROMPTS or not self._steps:
+            return
+        call = self.cost.prompt_cost(self._prompt_tokens / self._prompts_done,
+                                     self._prompt_attn / self._prompts_done)
+        if call is None:
+            return
+        ratio = self._busy / self._steps / call
+        self.last_step_ratio = ratio if self.last_step_ratio is None else \
+            self.SMOOTHING * ratio + (1 - self.SMOOTHING) * self.last_step_ratio
 
     def _adjust(self, overhead: float, peak_active: int, active: int) -> bool:
         """Moves the bound by the rules above; True when it moved."""
         value = self.value
-        if overhead > self.overhead_high and peak_active >= value:
-            step = 1 if overhead <= 2 * self.overhead_high else max(1, value // 4)
-            self.value = min(self.maximum, value + step)
+        ratio = self.last_step_ratio if self.step_ratio is not None else None
+        if ratio is not None and ratio > self.step_ratio[1] and active <= value:
+            # Steps outlast what a call's own prompt costs: fewer workflows in flight.
+            self.value = max(self.MINIMUM, value - 1)
+        elif overhead > self.overhead_high and peak_active >= value and (ratio is None or ratio < self.step_ratio[0]):
+            far = overhead > 2 * self.overhead_high and (ratio is None or ratio < self.step_ratio[0] / 2)
+            self.value = min(self.maximum, value + (max(1, value // 4) if far else 1))
         elif overhead < self.overhead_low and active <= value:
             self.value = max(self.MINIMUM, value - 1)
         if self.value == value:

@@ -250,11 +250,15 @@ class LLMEngine:
 
     @staticmethod
     def _shape(sched: SchedulerOutput, dec: list[Request], pre: list[tuple[Request, int]]) -> StepShape:
-        # A chunk of n tokens after c computed ones attends to c + n/2 tokens on average.
-        return StepShape(rows=len(dec) + sum(len(d) for d in sched.spec_tokens.values()),
+        # A chunk of n tokens after c computed ones attends to c + n/2 tokens on average. A
+        # prompt chunk that samples is its prompt's last.
+        spec = sched.spec_tokens
+        return StepShape(rows=len(dec) + sum(len(d) for d in spec.values()),
                          prompt_tokens=sum(n for _, n in pre),
                          prompt_attn=sum(n * (r.num_computed_tokens + n / 2) for r, n in pre) / 1e3,
-                         decode_ctx=sum(r.num_computed_tokens for r in dec) / 1e3)
+                         decode_ctx=sum(r.num_computed_tokens for r in dec) / 1e3,
+                         prompts_done=sum(1 for (r, n), samples in zip(sched.scheduled, sched.samples)
+                                          if samples and n != 1 and r.request_id not in spec))
 
     def _trace_step(self, sched: SchedulerOutput, dec: list[Request], pre: list[tuple[Request, int]],
                     t0: float, t1: float) -> None:

@@ -120,7 +120,8 @@ class Scheduler:
         self.workflows = WorkflowTracker(self.pool, config.retention_ttl_s)
         self.policy = create_policy(config, self.workflows)
         m = config.max_active_workflows
-        self.workflow_limit = (WorkflowLimit(auto=True, maximum=config.max_num_seqs, band=config.auto_overhead_band)
+        self.workflow_limit = (WorkflowLimit(auto=True, maximum=config.max_num_seqs, band=config.auto_overhead_band,
+                                             step_ratio=config.auto_step_ratio)
                                if m == "auto" else WorkflowLimit(fixed=m))
         self.waiting: list[Request] = []
         self.running: list[Request] = []
@@ -757,6 +758,7 @@ class Scheduler:
             active_workflow_ids=active,
             max_active_workflows=self.workflow_limit.value,
             engine_overhead=self.workflow_limit.last_overhead,
+            engine_step_ratio=self.workflow_limit.last_step_ratio if self.workflow_limit.step_ratio else None,
             engine_stalls=engine_stalls,
             state_slots_total=st.layout.num_seq_slots if st else 0,
             state_slots_used=st.num_held if st else 0,

@@ -30,6 +30,7 @@ class EngineStats:
     active_workflow_ids: frozenset[str] = frozenset()   # their ids (`GET /load?pending=`)
     max_active_workflows: Optional[int] = None   # the bound on active_workflows `/load` keeps
     engine_overhead: Optional[float] = None      # the auto bound's signal (engine/admission.py)
+    engine_step_ratio: Optional[float] = None    # its cap's: a step against a call's own prompt
     engine_stalls: int = 0       # times the stall guard failed unfinished requests (cumulative)
     # Hybrid models' recurrent-state slots (all 0 for models without recurrent layers).
     state_slots_total: int = 0       # sequence slots (= max_num_seqs)

@@ -85,6 +85,9 @@ class _EngineStatsCollector(Collector):
         if s.engine_overhead is not None:
             yield self._gauge("sluice:engine_overhead", "Share of the engine's last control period spent on "
                               "per-step fixed cost or idle (--max-active-workflows auto).", s.engine_overhead)
+        if s.engine_step_ratio is not None:
+            yield self._gauge("sluice:engine_step_ratio", "The engine's mean step over what the mean call's own "
+                              "prompt costs, a moving average (--auto-step-ratio).", s.engine_step_ratio)
         yield self._counter("sluice:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
                             s.prefix_cache_queries)
         yield self._counter("sluice:prefix_cache_hits", "Prompt tokens served by the prefix cache.",
