@@ -389,6 +389,19 @@ def test_the_step_ratio_caps_the_bound_where_steps_outlast_a_calls_own_prompt(in
     assert free.last_step_ratio is None
 
 
+def test_the_cap_lets_go_while_the_overhead_is_high():
+    """Prompts so short that every step outlasts them (the ratio always over the cap's high end):
+    the cap holds only while the overhead is under CAP_OVERHEAD, so the bound settles about where
+    the overhead reaches it instead of falling to the minimum."""
+    lim = WorkflowLimit(auto=True, maximum=64, step_ratio=(0.01, 0.02))
+    settled = Engine(lim, step_cost=amx_cost, prompt_share=AMX_PROMPT_SHARE).run(900.0)[-2000:]
+    at = min(n for n in range(1, 64) if 0.025 / amx_mean_step(n) < WorkflowLimit.CAP_OVERHEAD)
+    assert lim.last_step_ratio > 0.02 and at > 6
+    mean = sum(settled) / len(settled)
+    assert at - 4 <= min(settled) and max(settled) <= at + 6 and abs(mean - at) <= 3, \
+        (at, min(settled), max(settled), mean)
+
+
 def test_a_fixed_bound_never_moves():
     lim = WorkflowLimit(fixed=8)
     for i in range(100):

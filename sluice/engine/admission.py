@@ -58,10 +58,12 @@ own prompt costs (the prompt tokens and attention of the prompts the period comp
 prompt, priced by the step-cost fit). A call's prompt waits for the steps before it; a step
 longer than the call's own prompt compute makes that wait the larger part of its time to first
 token. The bound rises only while the ratio (a moving average) is under the cap's low end and
-falls while it is over its high end, whatever the overhead (`--auto-step-ratio LOW,HIGH|none`,
-default 0.8,1.0). Priced so on the session 41 and 49 step traces, it reads 0.46 at 12 workflows
-and 0.65 at 16 on the Zen 4 host, where the band binds first, and 0.94 at 16 and 1.28 at 24 on
-the AMX host, where the band never does.
+falls while it is over its high end, whatever the band says, as long as the overhead is under
+0.3 (`CAP_OVERHEAD`: above it more workflows could still give 1.4x the throughput, and short
+prompts make any step long against them; `--auto-step-ratio LOW,HIGH|none`, default 0.8,1.0).
+Priced so on the session 41 and 49 step traces, it reads 0.46 at 12 workflows and 0.65 at 16 on
+the Zen 4 host, where the band binds first, and 0.94 at 16 and 1.28 at 24 on the AMX host, where
+the band never does (session 50: the cap holds it at 14-17 there).
 
 The bound follows a moving average of the periods' overheads, moves by one (more when far above
 the band) at most once per `PERIOD_S`, and only while it binds: it rises only while as many
@@ -209,6 +211,11 @@ class WorkflowLimit:
     MINIMUM = 2
 
     MIN_PROMPTS = 4      # prompts a period must complete for its step ratio to count
+    FAR_RATIO = 0.75     # a step ratio under this share of the cap's low end is far below it
+    # The cap holds only while the overhead is under this: above it, more workflows could still
+    # give 1/(1-O) >= 1.4x the throughput, more than the cap's latency is worth (short prompts
+    # make any step long against them: the cap alone would pin the bound near its minimum).
+    CAP_OVERHEAD = 0.3
 
     def __init__(self, fixed: Optional[int] = None, auto: bool = False, maximum: int = 64,
                  initial: Optional[int] = None, band: Optional[tuple[float, float]] = None,
@@ -219,7 +226,7 @@ class WorkflowLimit:
         self.overhead_low, self.overhead_high = band if band is not None else (self.OVERHEAD_LOW, self.OVERHEAD_HIGH)
         assert 0.0 < self.overhead_low < self.overhead_high < 1.0, "the band must be 0 < low < high < 1"
         # (low, high): the cap on a step's length against a call's own prompt (`--auto-step-ratio`;
-        # None: no cap). The server's default is EngineConfig's.
+        # None: no cap). The server's default is SchedulerConfig's.
         self.step_ratio = step_ratio
         assert step_ratio is None or 0.0 < step_ratio[0] < step_ratio[1], "the step ratio must be 0 < low < high"
         self.last_step_ratio: Optional[float] = None
@@ -288,7 +295,7 @@ class WorkflowLimit:
                 # What the decision saw, so a bound that climbs or falls can be read back from
                 # the server's log: the fit's fixed cost, this period's steps and idle share.
                 scale = self.cost.scale
-                ratio = self.last_step_ratio if self.step_ratio is not None else None
+                ratio = self.last_step_ratio
                 logger.info("workflow bound %d -> %d: overhead %.3f (band %.2f-%.2f); this period "
                             "%.3f = %d steps x %.2f ms fixed%s + %.1f%% idle over %.2f s; "
                             "%d in flight (peak %d)%s", value, self.value, overhead, self.overhead_low,
@@ -315,12 +322,15 @@ class WorkflowLimit:
     def _adjust(self, overhead: float, peak_active: int, active: int) -> bool:
         """Moves the bound by the rules above; True when it moved."""
         value = self.value
-        ratio = self.last_step_ratio if self.step_ratio is not None else None
+        # None without a cap, before its first reading, or while the overhead is over CAP_OVERHEAD
+        ratio = self.last_step_ratio if overhead < self.CAP_OVERHEAD else None
         if ratio is not None and ratio > self.step_ratio[1] and active <= value:
             # Steps outlast what a call's own prompt costs: fewer workflows in flight.
             self.value = max(self.MINIMUM, value - 1)
         elif overhead > self.overhead_high and peak_active >= value and (ratio is None or ratio < self.step_ratio[0]):
-            far = overhead > 2 * self.overhead_high and (ratio is None or ratio < self.step_ratio[0] / 2)
+            # Far below both: a quarter more at once, so that the climb from INITIAL takes
+            # periods, not minutes (a period is 5 s).
+            far = overhead > 2 * self.overhead_high and (ratio is None or ratio < self.FAR_RATIO * self.step_ratio[0])
             self.value = min(self.maximum, value + (max(1, value // 4) if far else 1))
         elif overhead < self.overhead_low and active <= value:
             self.value = max(self.MINIMUM, value - 1)

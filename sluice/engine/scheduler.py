@@ -758,7 +758,7 @@ class Scheduler:
             active_workflow_ids=active,
             max_active_workflows=self.workflow_limit.value,
             engine_overhead=self.workflow_limit.last_overhead,
-            engine_step_ratio=self.workflow_limit.last_step_ratio if self.workflow_limit.step_ratio else None,
+            engine_step_ratio=self.workflow_limit.last_step_ratio,
             engine_stalls=engine_stalls,
             state_slots_total=st.layout.num_seq_slots if st else 0,
             state_slots_used=st.num_held if st else 0,
