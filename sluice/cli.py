@@ -118,28 +118,26 @@ def parse_close_step_tokens(text: str) -> Optional[int]:
     return value
 
 
-def parse_overhead_band(text: str) -> tuple[float, float]:
-    """`--auto-overhead-band LOW,HIGH`: two fractions, 0 < LOW < HIGH < 1."""
+def parse_low_high(text: str, limit: float = float("inf")) -> tuple[float, float]:
+    """`LOW,HIGH`: two numbers, 0 < LOW < HIGH < `limit`."""
     try:
         low, high = (float(x) for x in text.split(","))
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected LOW,HIGH (two fractions), got {text!r}") from None
-    if not 0.0 < low < high < 1.0:
-        raise argparse.ArgumentTypeError(f"expected 0 < LOW < HIGH < 1, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected LOW,HIGH (two numbers), got {text!r}") from None
+    if not 0.0 < low < high < limit:
+        upper = f" < {limit:g}" if limit != float("inf") else ""
+        raise argparse.ArgumentTypeError(f"expected 0 < LOW < HIGH{upper}, got {text!r}")
     return low, high
+
+
+def parse_overhead_band(text: str) -> tuple[float, float]:
+    """`--auto-overhead-band LOW,HIGH`: two fractions, 0 < LOW < HIGH < 1."""
+    return parse_low_high(text, limit=1.0)
 
 
 def parse_step_ratio(text: str):
     """`--auto-step-ratio LOW,HIGH`: 0 < LOW < HIGH; or `none` (no cap: "none")."""
-    if text.strip().lower() == "none":
-        return "none"
-    try:
-        low, high = (float(x) for x in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected LOW,HIGH (two ratios) or none, got {text!r}") from None
-    if not 0.0 < low < high:
-        raise argparse.ArgumentTypeError(f"expected 0 < LOW < HIGH, got {text!r}")
-    return low, high
+    return "none" if text.strip().lower() == "none" else parse_low_high(text)
 
 
 def parse_max_active_workflows(text: str):

@@ -211,9 +211,9 @@ class EngineConfig:
     num_threads: Optional[int] = None
     # Weights and KV cache on transparent huge pages where the kernel offers them (sluice/hugepages.py).
     huge_pages: bool = True
-    # One of WEIGHT_FORMATS. "native": a GGUF file's Q4_1 / Q8_0 weights of linear layers stay in its blocks in memory, which
-    # the CPU kernels dequantize as they compute (the same bf16 weights, bit for bit); "bf16":
-    # dequantized at load.
+    # One of WEIGHT_FORMATS. "native": a GGUF file's Q4_1 / Q8_0 weights of linear layers stay in
+    # its blocks in memory, which the CPU kernels dequantize as they compute (the same bf16
+    # weights, bit for bit); "bf16": dequantized at load.
     weight_format: str = "native"
     step_trace_path: Optional[str] = None  # append one JSON line per engine step (shape and timings)
     speculative: Optional[SpeculativeConfig] = None  # None: no speculative decoding

@@ -62,7 +62,8 @@ async def _handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) ->
         first = json.dumps({"choices": [{"index": 0, "delta": {"content": " x\u2028y"}}]}, ensure_ascii=False)
         last = json.dumps({"choices": [{"index": 0, "delta": {"content": "\x85z"}, "finish_reason": "stop"}]},
                           ensure_ascii=False)
-        stream = b"data: " + first.encode() + b"\r\n\r\n" + b"data: " + last.encode() + b"\r\r" + b"data: [DONE]\r\n\r\n"
+        stream = (b"data: " + first.encode() + b"\r\n\r\n" + b"data: " + last.encode() + b"\r\r"
+                  + b"data: [DONE]\r\n\r\n")
         cuts = [stream.index("\u2028".encode()) + 1, stream.index(b"\r\n") + 1, stream.index("\x85".encode()) + 1]
         for begin, end in zip([0] + cuts, cuts + [len(stream)]):
             writer.write(stream[begin:end])

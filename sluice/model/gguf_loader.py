@@ -455,7 +455,8 @@ class GGUFCheckpoint:
             blocks = self._file.raw(entry.info).reshape(rows, cols // 32, -1)  # [rows, row bytes] -> blocks
             if entry.rotary_heads is not None:
                 blocks = _unpermute_rotary(blocks, entry.rotary_heads)
-            yield entry.hf_name, self._BLOCK_TYPES[entry.info.qtype], torch.from_numpy(np.array(blocks))  # a copy: the map is read-only
+            # np.array: a copy, the map is read-only
+            yield entry.hf_name, self._BLOCK_TYPES[entry.info.qtype], torch.from_numpy(np.array(blocks))
 
 
 def read_gguf(path: str | Path) -> GGUFCheckpoint:
