@@ -154,6 +154,9 @@ def main() -> None:
     due: list[tuple[float, int, int]] = []             # (time, workflow, step) calls waiting on a tool
     started: dict[str, float] = {}
     ttft, speed = [], []
+    call_latency: list[float] = []                     # submit to last token, per call
+    wf_start: dict[int, float] = {}
+    wf_latency: list[float] = []                       # first call's submit to last call's end
     emitted: dict[str, int] = {}                       # tokens each call had after the last step
     produced: list[tuple[float, int]] = []             # (step end, output tokens it produced)
     last_admission = None                              # when the last workflow was admitted
@@ -170,6 +173,7 @@ def main() -> None:
                         SamplingParams(max_tokens=body["max_tokens"], temperature=0.0, ignore_eos=True),
                         WorkflowInfo(f"wf{i}", j == wf.num_steps - 1), arrival_time=sent)
         started[rid] = clock() if sent is None else sent
+        wf_start.setdefault(i, started[rid])
 
     gated = args.admission == "load"
     slots = args.concurrency   # free client slots: a workflow ended and the next is not started
@@ -222,6 +226,7 @@ def main() -> None:
             end = clock()
             if n > 1:
                 speed.append((n - 1) / max(1e-9, end - first[rid]))
+            call_latency.append(end - started[rid])
             i, j = (int(x[1:]) for x in rid.split("-"))
             wf = flows[i]
             if j + 1 < wf.num_steps:
@@ -230,6 +235,7 @@ def main() -> None:
                 heapq.heappush(due, (end + step.tool_latency_s, i, j + 1))
             else:
                 slots += 1
+                wf_latency.append(end - wf_start[i])
         produced.append((clock(), step_tokens))
     wall = clock() - t0
     out_tokens = sum(n for _, n in produced)
@@ -242,8 +248,12 @@ def main() -> None:
           f"KV {eng.scheduler.pool.num_blocks * eng.scheduler.block_size} tokens"
           + (f", virtual clock {','.join(map(str, args.step_cost))} (times below are modelled)" if args.virtual_clock else ""))
     print(f"wall {wall:.1f} s, output tokens {out_tokens}, aggregate {out_tokens / wall:.1f} tok/s, "
-          f"generation speed p50 {statistics.median(speed):.1f} tok/s, TTFT p50 {statistics.median(ttft):.2f} s "
-          f"p90 {q[8]:.2f} s p99 {q99:.2f} s")
+          f"generation speed p50 {statistics.median(speed):.1f} tok/s (p10 {statistics.quantiles(speed, n=10)[0]:.1f}), "
+          f"TTFT p50 {statistics.median(ttft):.3f} s p90 {q[8]:.3f} s p99 {q99:.3f} s")
+    # What an agent waits for: a call's whole answer, a workflow's whole chain (tool latencies included).
+    cq, wq = statistics.quantiles(call_latency, n=10), statistics.quantiles(wf_latency, n=10)
+    print(f"call latency p50 {statistics.median(call_latency):.3f} s p90 {cq[8]:.3f} s, "
+          f"workflow latency p50 {statistics.median(wf_latency):.2f} s p90 {wq[8]:.2f} s")
     if last_admission is not None and last_admission - t0 > 2 * FED_WARMUP_S:
         # The sustained regime: past the start's ramp, before the drain (no workflow left to admit).
         lo, hi = t0 + FED_WARMUP_S, last_admission
