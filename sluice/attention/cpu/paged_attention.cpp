@@ -573,37 +573,66 @@ struct ItemRunner {
 
   // The next chunk's cache lines, fetched into L2 a few at a time from the compute loops of this
   // chunk (prefetch_tick) so that memory is read while this chunk is computed; issued in one burst,
-  // the prefetches stall on the core's limit of outstanding misses much as loads would.
-  std::vector<const char*> lines;  // K and V lines alternately
-  size_t next_line = 0;
+  // the prefetches stall on the core's limit of outstanding misses much as loads would. The plan
+  // is a few contiguous byte ranges (a block run's rows, when the item covers whole rows; else
+  // each key's slice), walked a line at a time: listing every line instead cost a hot decode ~40%
+  // of its time (docs/benchmarks.md, session 51).
+  struct Range {
+    const char* p;
+    int64_t bytes;
+  };
+  Range ranges[2 * kChunk];  // K and V alternately; at most a range each per key
+  int num_ranges = 0, next_range = 0;
+  int64_t next_offset = 0;
   int lines_per_tick = 1;
 
   // Plans the prefetch of keys [start, start + n): `bytes` of each slot from k_cache / v_cache (the
   // item's kv heads: the whole row when it covers them all), spread over `ticks` calls of prefetch_tick.
   void plan_prefetch(const Problem& pb, const int32_t* table, int32_t start, int n, const T* k_cache,
                      const T* v_cache, int64_t bytes, int ticks) {
-    lines.clear();
-    next_line = 0;
+    num_ranges = next_range = 0;
+    next_offset = 0;
     const int64_t row_bytes = pb.cache_row * sizeof(T);
+    const int64_t lines_per_key = (bytes + 63) / 64;
     for_block_runs(pb, table, start, n, [&](int, int run, int64_t slot) {
       const char* k = reinterpret_cast<const char*>(k_cache + slot * pb.cache_row);
       const char* v = reinterpret_cast<const char*>(v_cache + slot * pb.cache_row);
-      for (int i = 0; i < run; ++i)
-        for (int64_t o = i * row_bytes; o < i * row_bytes + bytes; o += 64) {
-          lines.push_back(k + o);
-          lines.push_back(v + o);
-        }
+      if (bytes == row_bytes) {  // the run's rows are contiguous
+        ranges[num_ranges++] = {k, run * row_bytes};
+        ranges[num_ranges++] = {v, run * row_bytes};
+        return;
+      }
+      for (int i = 0; i < run; ++i) {
+        ranges[num_ranges++] = {k + i * row_bytes, bytes};
+        ranges[num_ranges++] = {v + i * row_bytes, bytes};
+      }
     });
-    lines_per_tick = static_cast<int>((lines.size() + ticks - 1) / ticks);  // ticks >= kScoreSteps
+    // About the ranges' lines (exactly, when a row is whole cache lines): it only paces the ticks,
+    // and prefetch_rest issues whatever they leave.
+    const int64_t lines = 2 * n * lines_per_key;
+    lines_per_tick = static_cast<int>((lines + ticks - 1) / ticks);  // ticks >= kScoreSteps
+  }
+
+  bool prefetch_line() {
+    if (next_range >= num_ranges) return false;
+    const Range& r = ranges[next_range];
+    _mm_prefetch(r.p + next_offset, _MM_HINT_T1);
+    next_offset += 64;
+    if (next_offset >= r.bytes) {
+      ++next_range;
+      next_offset = 0;
+    }
+    return true;
   }
 
   void prefetch_tick() {
-    for (int i = 0; i < lines_per_tick && next_line < lines.size(); ++i)
-      _mm_prefetch(lines[next_line++], _MM_HINT_T1);
+    for (int i = 0; i < lines_per_tick && prefetch_line(); ++i) {
+    }
   }
 
   void prefetch_rest() {
-    while (next_line < lines.size()) _mm_prefetch(lines[next_line++], _MM_HINT_T1);
+    while (prefetch_line()) {
+    }
   }
 
   void find_slots(const Problem& pb, const int32_t* table, int32_t start, int n, const T* k_cache,
