@@ -11,6 +11,11 @@ measures what the server and the client cost; its step trace shows what the engi
         [--max-active-workflows N|auto|none] [--auto-overhead-band LOW,HIGH] [--calls-out PATH] [--phases]
         [--history synthetic|actual] [--seed N] [--close-step-tokens N|none] [--virtual-clock [--step-cost ...]]
 
+Beside throughput, generation speed and TTFT it prints call latency (a call's submission to its
+last token) and workflow latency (a workflow's first submission to its last call's end, tool
+latencies included): what an agent waits for, and what a scheduler setting can trade TTFT against
+(docs/benchmarks.md, session 51).
+
 Besides the whole run it reports the *fed window*, from 30 s in to the last workflow's admission
 (enough workflows to run that long): throughput and TTFT of the sustained regime, without the
 start's ramp (and the `auto` bound's climb) or the drain.
@@ -71,6 +76,11 @@ class VirtualClock:
         context (the shape the auto bound fits is taken after, one chunk further on)."""
         shape = LLMEngine._shape(sched, *LLMEngine._split(sched))
         self.now += sum(w * f for w, f in zip(self.weights, shape.features())) / 1e3
+
+
+def decile(values: list[float], k: int) -> float:
+    """The k-th decile (statistics.quantiles needs two values; one is its own every decile)."""
+    return statistics.quantiles(values, n=10)[k - 1] if len(values) > 1 else values[0]
 
 
 def parse_step_cost(text: str) -> tuple[float, ...]:
@@ -248,12 +258,11 @@ def main() -> None:
           f"KV {eng.scheduler.pool.num_blocks * eng.scheduler.block_size} tokens"
           + (f", virtual clock {','.join(map(str, args.step_cost))} (times below are modelled)" if args.virtual_clock else ""))
     print(f"wall {wall:.1f} s, output tokens {out_tokens}, aggregate {out_tokens / wall:.1f} tok/s, "
-          f"generation speed p50 {statistics.median(speed):.1f} tok/s (p10 {statistics.quantiles(speed, n=10)[0]:.1f}), "
+          f"generation speed p50 {statistics.median(speed):.1f} tok/s (p10 {decile(speed, 1):.1f}), "
           f"TTFT p50 {statistics.median(ttft):.3f} s p90 {q[8]:.3f} s p99 {q99:.3f} s")
     # What an agent waits for: a call's whole answer, a workflow's whole chain (tool latencies included).
-    cq, wq = statistics.quantiles(call_latency, n=10), statistics.quantiles(wf_latency, n=10)
-    print(f"call latency p50 {statistics.median(call_latency):.3f} s p90 {cq[8]:.3f} s, "
-          f"workflow latency p50 {statistics.median(wf_latency):.2f} s p90 {wq[8]:.2f} s")
+    print(f"call latency p50 {statistics.median(call_latency):.3f} s p90 {decile(call_latency, 9):.3f} s, "
+          f"workflow latency p50 {statistics.median(wf_latency):.2f} s p90 {decile(wf_latency, 9):.2f} s")
     if last_admission is not None and last_admission - t0 > 2 * FED_WARMUP_S:
         # The sustained regime: past the start's ramp, before the drain (no workflow left to admit).
         lo, hi = t0 + FED_WARMUP_S, last_admission
