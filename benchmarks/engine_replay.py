@@ -40,6 +40,7 @@ import statistics
 import time
 from pathlib import Path
 
+from sluice.bench.metrics import percentile
 from sluice.bench.workload import (History, RequestTarget, WorkloadConfig, append_step, initial_messages, make_workflow,
                                    request_body)
 from sluice.cli import (parse_close_step_tokens, parse_max_active_workflows, parse_overhead_band,
@@ -76,11 +77,6 @@ class VirtualClock:
         context (the shape the auto bound fits is taken after, one chunk further on)."""
         shape = LLMEngine._shape(sched, *LLMEngine._split(sched))
         self.now += sum(w * f for w, f in zip(self.weights, shape.features())) / 1e3
-
-
-def decile(values: list[float], k: int) -> float:
-    """The k-th decile (statistics.quantiles needs two values; one is its own every decile)."""
-    return statistics.quantiles(values, n=10)[k - 1] if len(values) > 1 else values[0]
 
 
 def parse_step_cost(text: str) -> tuple[float, ...]:
@@ -258,11 +254,12 @@ def main() -> None:
           f"KV {eng.scheduler.pool.num_blocks * eng.scheduler.block_size} tokens"
           + (f", virtual clock {','.join(map(str, args.step_cost))} (times below are modelled)" if args.virtual_clock else ""))
     print(f"wall {wall:.1f} s, output tokens {out_tokens}, aggregate {out_tokens / wall:.1f} tok/s, "
-          f"generation speed p50 {statistics.median(speed):.1f} tok/s (p10 {decile(speed, 1):.1f}), "
+          f"generation speed p50 {statistics.median(speed):.1f} tok/s (p10 {percentile(speed, 10):.1f}), "
           f"TTFT p50 {statistics.median(ttft):.3f} s p90 {q[8]:.3f} s p99 {q99:.3f} s")
-    # What an agent waits for: a call's whole answer, a workflow's whole chain (tool latencies included).
-    print(f"call latency p50 {statistics.median(call_latency):.3f} s p90 {decile(call_latency, 9):.3f} s, "
-          f"workflow latency p50 {statistics.median(wf_latency):.2f} s p90 {decile(wf_latency, 9):.2f} s")
+    # What an agent waits for: a call's whole answer, a workflow's whole chain (tool latencies included);
+    # percentiles as `sluice bench` computes them.
+    print(f"call latency p50 {statistics.median(call_latency):.3f} s p90 {percentile(call_latency, 90):.3f} s, "
+          f"workflow latency p50 {statistics.median(wf_latency):.2f} s p90 {percentile(wf_latency, 90):.2f} s")
     if last_admission is not None and last_admission - t0 > 2 * FED_WARMUP_S:
         # The sustained regime: past the start's ramp, before the drain (no workflow left to admit).
         lo, hi = t0 + FED_WARMUP_S, last_admission
