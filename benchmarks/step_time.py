@@ -35,8 +35,9 @@ def main() -> None:
     ap.add_argument("--scatter", action="store_true",
                     help="shuffle the free block queue first, so that a sequence's blocks lie scattered "
                          "over the cache as in a server that has run for a while")
-    ap.add_argument("--weight-format", choices=WEIGHT_FORMATS, default="native",
-                    help="a GGUF's Q4_1 / Q8_0 linears kept in their blocks (native) or dequantized to bf16 at load")
+    ap.add_argument("--weight-format", choices=WEIGHT_FORMATS, default="auto",
+                    help="a GGUF's Q4_1 / Q8_0 linears kept in their blocks (native) or dequantized to bf16 at load "
+                         "(auto: native where the linears run on AMX)")
     ap.add_argument("--no-huge-pages", dest="huge_pages", action="store_false",
                     help="weights and KV cache on ordinary pages (sluice/hugepages.py)")
     args = ap.parse_args()

@@ -67,11 +67,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="keep weights and KV cache on ordinary pages (default: transparent huge pages "
                         "where the kernel offers them)")
     # config.WEIGHT_FORMATS's values (config imports torch, which this module leaves to the engine)
-    p.add_argument("--weight-format", choices=("native", "bf16"), default="native",
+    p.add_argument("--weight-format", choices=("auto", "native", "bf16"), default="auto",
                    help="native: a GGUF file's Q4_1 / Q8_0 weights of linear layers stay in their blocks in "
                         "memory and the CPU kernels dequantize them as they compute (the same bf16 values, so "
                         "the same outputs, from under a third of the memory traffic); bf16: dequantize every "
-                        "weight at load (default native)")
+                        "weight at load; auto (default): native where the linears run on AMX tiles, bf16 on "
+                        "the AVX-512 vector path, where the dequantization costs a loaded step more than it saves")
     p.add_argument("--step-trace", default=None, metavar="PATH",
                    help="append one JSON line per engine step: its batch shape and where its time went")
     p.add_argument("--speculative-config", default=DEFAULT_SPECULATIVE, metavar="JSON",

@@ -191,7 +191,7 @@ class SpeculativeConfig:
 
 
 # How a checkpoint's weights sit in memory (EngineConfig.weight_format, `--weight-format`).
-WEIGHT_FORMATS = ("native", "bf16")
+WEIGHT_FORMATS = ("auto", "native", "bf16")
 
 
 def check_weight_format(fmt: str) -> None:
@@ -213,8 +213,9 @@ class EngineConfig:
     huge_pages: bool = True
     # One of WEIGHT_FORMATS. "native": a GGUF file's Q4_1 / Q8_0 weights of linear layers stay in
     # its blocks in memory, which the CPU kernels dequantize as they compute (the same bf16
-    # weights, bit for bit); "bf16": dequantized at load.
-    weight_format: str = "native"
+    # weights, bit for bit); "bf16": dequantized at load; "auto": native where the linears run on
+    # AMX tiles, bf16 elsewhere (model/loader.py: blocks_pay).
+    weight_format: str = "auto"
     step_trace_path: Optional[str] = None  # append one JSON line per engine step (shape and timings)
     speculative: Optional[SpeculativeConfig] = None  # None: no speculative decoding
     # Steps that schedule nothing while requests are unfinished, for this long, end those requests

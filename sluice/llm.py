@@ -34,7 +34,7 @@ class LLM:
         max_state_snapshots: Optional[int] = None,    # hybrid models (see CacheConfig)
         speculative_config: Optional[dict] = None,    # e.g. {"method": "ngram"}; see SpeculativeConfig
         huge_pages: bool = True,                      # weights and KV cache on transparent huge pages
-        weight_format: str = "native",                # a GGUF's Q4_1/Q8_0 linears kept in blocks ("bf16": dequantized)
+        weight_format: str = "auto",                  # "native": a GGUF's Q4_1/Q8_0 linears kept in blocks; "bf16"; "auto": by path
     ) -> None:
         path: Path = resolve_model_path(model)
         cfg = load_model_config(path)

@@ -199,10 +199,33 @@ def test_smollm2_linears_read_the_files_blocks(models):
     assert sum(m.packed.numel() for m in q4) * 8 == 5 * sum(m.in_features * m.out_features for m in q4)
 
 
-@pytest.mark.parametrize("tokens", [7, 96])
+def test_auto_keeps_blocks_where_the_linears_run_on_amx():
+    from sluice.model.loader import keeps_blocks
+
+    for amx in (False, True):
+        assert keeps_blocks("native", amx) and not keeps_blocks("bf16", amx)
+        assert keeps_blocks("auto", amx) is amx
+    with pytest.raises(ValueError, match="weight_format must be one of"):
+        keeps_blocks("q4", True)
+
+
+def test_smollm2_default_format_follows_the_linears_path():
+    """The default ("auto") on this machine: the file's blocks where AMX computes the linears,
+    bf16 on the vector path."""
+    from sluice.attention import create_backend
+    from sluice.model.loader import load_model, load_model_config
+
+    if not MODEL.exists():
+        pytest.skip("default model not downloaded")
+    model = load_model(MODEL, load_model_config(MODEL), torch.bfloat16, create_backend("cpu"))
+    assert model.lm_head.format == ("q8_0" if torch.ops.sluice.linear_amx_enabled() else "bf16")
+
+
+@pytest.mark.parametrize("tokens", [7, 96, 200])
 def test_smollm2_forward_is_bit_identical_in_either_format(models, tokens):
     """The whole model (the C++ decoder stack, paged attention, the LM head) on a prompt: the
-    same logits, bit for bit (7 tokens: B tiles dequantized per k step on AMX; 96: per group)."""
+    same logits, bit for bit (7 tokens: B tiles dequantized per k step on AMX; 96: per group;
+    200: prefill-sized, on the vector path dealt in row blocks that each dequantize their groups)."""
     from test_attention_backend import SeqCase, build_metadata
 
     cfg, by_format = models

@@ -120,7 +120,7 @@ def make_llm():
     loaded, opened = {}, {}
     real_load, real_read = llm_engine.load_model, gguf_loader.read_gguf
 
-    def load_once(path, cfg, dtype, backend, huge_pages=False, weight_format="native"):
+    def load_once(path, cfg, dtype, backend, huge_pages=False, weight_format="auto"):
         key = (str(path), dtype, type(backend), huge_pages, weight_format)
         if key not in loaded:
             loaded[key] = real_load(path, cfg, dtype, backend, huge_pages=huge_pages, weight_format=weight_format)

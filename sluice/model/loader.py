@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Iterator, Optional
 
@@ -14,6 +15,8 @@ from sluice.attention.base import AttentionBackend
 from sluice.config import ModelConfig, check_weight_format
 from sluice.model.registry import create_model
 from sluice.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
 
 
 def resolve_model_path(model: Optional[str]) -> Path:
@@ -101,12 +104,13 @@ def _iter_safetensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def load_model(path: Path, cfg: ModelConfig, dtype: torch.dtype, backend: AttentionBackend,
-               huge_pages: bool = False, weight_format: str = "native") -> nn.Module:
+               huge_pages: bool = False, weight_format: str = "auto") -> nn.Module:
     """Build the model in `dtype` and stream the checkpoint into it, one tensor at a time; with
     `huge_pages`, the weights end on transparent huge pages (sluice/hugepages.py). With
     `weight_format` "native", the packed linears of a GGUF file's Q4_1 and Q8_0 tensors keep its
     blocks (where the CPU kernels compute from them: the same bf16 weights, read from a third to a
-    half of the memory); "bf16" dequantizes every weight at load."""
+    half of the memory); "bf16" dequantizes every weight at load; "auto" is one of the two by the
+    linears' path (`keeps_blocks`)."""
     check_weight_format(weight_format)
     prev = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
@@ -129,13 +133,35 @@ def load_model(path: Path, cfg: ModelConfig, dtype: torch.dtype, backend: Attent
     if dtype == torch.bfloat16 and getattr(backend, "name", None) == "cpu":
         from sluice.model.packed_linear import use_cpu_kernels
 
-        if weight_format == "native" and _is_gguf(path) and torch.ops.sluice.linear_blocks_supported():
+        if _is_gguf(path) and torch.ops.sluice.linear_blocks_supported() and \
+                keeps_blocks(weight_format, torch.ops.sluice.linear_amx_enabled()):
             _attach_blocks(model, read_gguf(path))
 
         use_cpu_kernels(model, huge_pages)  # the cpu backend's extension also holds linear, norm and rotary kernels
+        if _is_gguf(path):
+            from collections import Counter
+
+            from sluice.model.packed_linear import PackedLinear
+
+            kinds = Counter(m.format for m in model.modules() if isinstance(m, PackedLinear))
+            logger.info("weight format %s: packed linears %s", weight_format,
+                        ", ".join(f"{n} {k}" for k, n in sorted(kinds.items())))
     elif huge_pages:
         hugepages.move_module(model)
     return model.eval()
+
+
+def keeps_blocks(weight_format: str, amx: bool) -> bool:
+    """Whether the linears keep a GGUF's blocks (where the kernels can compute from them).
+
+    "auto" keeps them where the linears run on AMX tiles: there a step's products are cheap beside
+    streaming the weights, and the blocks' third of the bytes made sustained serving 5.8% faster
+    (docs/benchmarks.md, session 49). On the AVX-512 vector path (Zen 4) the products themselves
+    bound a loaded step, and the dequantization is vector work on top of them: sustained serving
+    ran ~6% slower from the blocks at a fixed bound (session 52), so "auto" dequantizes at load
+    there. Only a lone decode (one row) is faster from the blocks on that path (~10%)."""
+    check_weight_format(weight_format)
+    return weight_format == "native" or (weight_format == "auto" and amx)
 
 
 def _attach_blocks(model: nn.Module, ckpt) -> None:
