@@ -214,7 +214,7 @@ class EngineConfig:
     # One of WEIGHT_FORMATS. "native": a GGUF file's Q4_1 / Q8_0 weights of linear layers stay in
     # its blocks in memory, which the CPU kernels dequantize as they compute (the same bf16
     # weights, bit for bit); "bf16": dequantized at load; "auto": native where the linears run on
-    # AMX tiles, bf16 elsewhere (model/loader.py: blocks_pay).
+    # AMX tiles, bf16 elsewhere (model/loader.py: keeps_blocks).
     weight_format: str = "auto"
     step_trace_path: Optional[str] = None  # append one JSON line per engine step (shape and timings)
     speculative: Optional[SpeculativeConfig] = None  # None: no speculative decoding

@@ -158,8 +158,9 @@ def keeps_blocks(weight_format: str, amx: bool) -> bool:
     streaming the weights, and the blocks' third of the bytes made sustained serving 5.8% faster
     (docs/benchmarks.md, session 49). On the AVX-512 vector path (Zen 4) the products themselves
     bound a loaded step, and the dequantization is vector work on top of them: sustained serving
-    ran ~6% slower from the blocks at a fixed bound (session 52), so "auto" dequantizes at load
-    there. Only a lone decode (one row) is faster from the blocks on that path (~10%)."""
+    ran 4.6% slower from the blocks at a fixed bound (session 52), so "auto" dequantizes at load
+    there. Only a lone decode (one row) can be faster from the blocks on that path (0-20% in the
+    linears)."""
     check_weight_format(weight_format)
     return weight_format == "native" or (weight_format == "auto" and amx)
 
