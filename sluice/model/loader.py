@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections import Counter
 from pathlib import Path
 from typing import Iterator, Optional
 
@@ -131,18 +132,15 @@ def load_model(path: Path, cfg: ModelConfig, dtype: torch.dtype, backend: Attent
     if cfg.tie_word_embeddings and hasattr(model, "lm_head"):
         model.lm_head.weight = model.embed_tokens.weight
     if dtype == torch.bfloat16 and getattr(backend, "name", None) == "cpu":
-        from sluice.model.packed_linear import use_cpu_kernels
+        from sluice.model.packed_linear import PackedLinear, use_cpu_kernels
 
-        if _is_gguf(path) and torch.ops.sluice.linear_blocks_supported() and \
+        gguf = _is_gguf(path)
+        if gguf and torch.ops.sluice.linear_blocks_supported() and \
                 keeps_blocks(weight_format, torch.ops.sluice.linear_amx_enabled()):
             _attach_blocks(model, read_gguf(path))
 
         use_cpu_kernels(model, huge_pages)  # the cpu backend's extension also holds linear, norm and rotary kernels
-        if _is_gguf(path):
-            from collections import Counter
-
-            from sluice.model.packed_linear import PackedLinear
-
+        if gguf:
             kinds = Counter(m.format for m in model.modules() if isinstance(m, PackedLinear))
             logger.info("weight format %s: packed linears %s", weight_format,
                         ", ".join(f"{n} {k}" for k, n in sorted(kinds.items())))
