@@ -128,6 +128,33 @@ def test_a_kept_fit_from_tiny_steps_is_scaled_on_the_steps_it_can_price():
     assert m.scale is not None and fixed == pytest.approx(FIXED, rel=0.15), (fixed, m.scale)
 
 
+def test_one_small_window_that_reads_the_fixed_cost_low_is_not_kept():
+    """Session 52: one server's fit of a whole window of small steps read 3.9 ms where the windows
+    before it read 8.0-8.8, the model kept it, scaled it to every later window, and the bound sat
+    at 7-10 for the rest of the run instead of 12-16. The kept fit is the median of the latest small
+    windows' fits, so one odd window is outvoted; the window's own reading still comes back for
+    the period it was seen (smoothed by the bound's moving average)."""
+    rng = random.Random(3)
+    m = StepCostModel()
+
+    def steps(n: int, lo: int, hi: int, fixed: float = FIXED, per_row: float = PER_ROW) -> None:
+        for _ in range(n):
+            s = shape(rng.randint(lo, hi), rng.choice([0, 0, 0, 128, 256]), rng.uniform(0.5, 2.0))
+            m.observe(s, (cost(s) - FIXED + fixed + (per_row - PER_ROW) * s.rows) * rng.uniform(0.97, 1.03))
+
+    steps(512, 4, 24)
+    for _ in range(3):                            # three periods of small windows: kept fits near FIXED
+        steps(64, 4, 24)
+        assert m.fixed_cost() == pytest.approx(FIXED, rel=0.1)
+    # A window of the same small steps whose fit puts a third of the fixed cost into the rows
+    # (on the machine: a burst of prompts, a noisy extrapolation).
+    steps(512, 4, 24, fixed=FIXED / 3, per_row=PER_ROW + 2 * FIXED / 3 / 14)
+    assert m.fixed_cost() == pytest.approx(FIXED / 3, rel=0.15) and m.scale is None
+    steps(512, 40, 90)                            # then the bound climbs: the true costs again
+    fixed = m.fixed_cost()
+    assert m.scale is not None and fixed == pytest.approx(FIXED, rel=0.15), (fixed, m.scale)
+
+
 class Engine:
     """A closed loop: `active` workflows each alternate a call (its decode rows in every step while
     it runs) and a tool wait; the bound admits new workflows up to it, and lowering it takes effect

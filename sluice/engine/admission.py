@@ -41,7 +41,10 @@ through those traces it reads 7.2-7.9 ms (medians) at every bound (the ratio 0.9
 fit prices the big steps well; only its intercept was out of their reach). The fixed cost
 follows the machine's speed, not the size of the steps. A fit is kept only from a whole window,
 and the bound holds at its start until one was seen: a fit of the first few seconds is noisy
-(one pair kept 5.3 ms from 269 steps and sat at 8 workflows). Known weakness: whole windows of
+(one pair kept 5.3 ms from 269 steps and sat at 8 workflows). Nor is one whole window's enough:
+the kept fit is the one of median intercept among the latest nine small windows' (session 52: one
+server of four kept a window's 3.9 ms where the windows before it read 8.0-8.8 and sat at 7-10
+workflows instead of 12-16). Known weakness: whole windows of
 small steps still read 6.4-8.6 ms, and the bound follows the kept value (7.2 ms: 10.6 workflows
 in flight at the band 0.08,0.12, 9.7 ms: 11.4; sessions 41-42 kept 6.3-8.6 ms). About one
 workflow per millisecond; near 12 in flight a workflow is worth 0.5-1% of the throughput and
@@ -106,14 +109,21 @@ class StepCostModel:
     # kept a fit of 269 steps from the first 10 s at 5.3 ms, where whole windows of small steps
     # read 6.4-8.6 ms in the s41 traces, and the bound sat at 8 instead of 10-11.
     REF_MIN_STEPS = 512
+    # Fits of small windows the kept one is chosen from (the one of median intercept among those
+    # still small enough), the latest ones. One window's intercept is a noisy extrapolation: in
+    # session 52 one of four servers kept a 3.9 ms fit where the windows before it read 8.0-8.8 ms,
+    # and held 7-10 workflows in flight for the rest of the run instead of 12-16.
+    REF_CANDIDATES = 9
 
     def __init__(self, window: int = 512) -> None:
         self.window = window
         self._x: deque[tuple[float, ...]] = deque(maxlen=window)
         self._y: deque[float] = deque(maxlen=window)
         self._ref: Optional[np.ndarray] = None   # coefficients of the kept fit, over all features
-        self._ref_rows = float("inf")            # its window's decode rows at the ROWS_Q-th percentile
-        self._ref_reach = 0.0                    # and at the 90th: the steps it predicts from data
+        self._ref_rows = float("inf")            # the smallest window's decode rows at the ROWS_Q-th percentile
+        self._ref_reach = 0.0                    # the kept fit's window's at the 90th: the steps it predicts from data
+        # (decode rows at ROWS_Q, at the 90th percentile, coefficients) of the latest small windows' fits
+        self._candidates: deque[tuple[float, float, np.ndarray]] = deque(maxlen=self.REF_CANDIDATES)
         # How the last `fixed_cost` was found: None from the window's own fit, else the ratio
         # the kept fit was scaled by.
         self.scale: Optional[float] = None
@@ -148,8 +158,7 @@ class StepCostModel:
             # workflow at a time cannot carry the reference up with it.
             if len(y) >= min(self.REF_MIN_STEPS, self.window) and len(decode_rows) >= self.MIN_STEPS \
                     and np.all(np.ptp(x[:, 1:], axis=0) > 0):
-                self._ref, self._ref_rows = coef, min(rows, self._ref_rows)
-                self._ref_reach = float(np.percentile(decode_rows, 90))
+                self._keep(rows, float(np.percentile(decode_rows, 90)), coef)
             self.coef = coef
             return own
         if self._ref is None:
@@ -169,6 +178,16 @@ class StepCostModel:
             return None
         self.coef = self._ref * self.scale
         return fixed
+
+    def _keep(self, rows: float, reach: float, coef: np.ndarray) -> None:
+        """A small window's fit joins the candidates; the kept fit becomes the one of median
+        intercept among those whose windows are still within REF_SLACK of the smallest seen (the
+        upper one of the middle two when they are even: a fixed cost read low is the failure seen)."""
+        self._candidates.append((rows, reach, coef))
+        self._ref_rows = min(rows, self._ref_rows)
+        small = sorted((c for c in self._candidates if c[0] <= self.REF_SLACK * self._ref_rows),
+                       key=lambda c: float(c[2][0]))
+        _, self._ref_reach, self._ref = small[len(small) // 2]
 
     def prompt_cost(self, tokens: float, attn: float) -> Optional[float]:
         """Seconds the last fit (`fixed_cost`'s) gives `tokens` prompt tokens attending to `attn`
