@@ -146,8 +146,8 @@ def test_one_small_window_that_reads_the_fixed_cost_low_is_not_kept():
     for _ in range(3):                            # three periods of small windows: kept fits near FIXED
         steps(64, 4, 24)
         assert m.fixed_cost() == pytest.approx(FIXED, rel=0.1)
-    # A window of the same small steps whose fit puts a third of the fixed cost into the rows
-    # (on the machine: a burst of prompts, a noisy extrapolation).
+    # A window of the same small steps whose fit reads a third of the fixed cost, the rest priced
+    # into the rows (on the machine: a noisy extrapolation of one window's intercept).
     steps(512, 4, 24, fixed=FIXED / 3, per_row=PER_ROW + 2 * FIXED / 3 / 14)
     assert m.fixed_cost() == pytest.approx(FIXED / 3, rel=0.15) and m.scale is None
     steps(512, 40, 90)                            # then the bound climbs: the true costs again
