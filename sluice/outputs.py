@@ -39,3 +39,6 @@ class RequestOutput:
     num_cached_tokens: int = 0         # prompt tokens served from the prefix cache
     error: Optional[str] = None        # set when finish_reason is "error"
     metrics: dict = field(default_factory=dict)  # arrival/first-token/finish times (monotonic s)
+    # SamplingParams.prompt_logprobs: per prompt token, None for the first, else its {token:
+    # Logprob} (the token itself plus the top ones); set once the whole prompt has been computed.
+    prompt_logprobs: Optional[list[Optional[dict[int, Logprob]]]] = None

@@ -131,6 +131,10 @@ class SamplingParams:
     min_tokens: int = 0
     ignore_eos: bool = False
     logprobs: Optional[int] = None  # number of top logprobs per output token (0: only the chosen)
+    # Per prompt token after the first: its logprob under the prompt before it, plus the top
+    # `prompt_logprobs` (vLLM's field; the completions API's `echo` with `logprobs` uses it). Such a
+    # request computes its whole prompt: prefix-cache hits would leave positions without logits.
+    prompt_logprobs: Optional[int] = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     structured_outputs: Optional[StructuredOutputsParams] = None
@@ -179,6 +183,8 @@ class SamplingParams:
                 raise ValueError("allowed_token_ids must be a non-empty list of token ids")
         if self.logprobs is not None and not 0 <= self.logprobs <= _MAX_LOGPROBS:
             raise ValueError(f"logprobs must be in [0, {_MAX_LOGPROBS}]")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= _MAX_LOGPROBS:
+            raise ValueError(f"prompt_logprobs must be in [0, {_MAX_LOGPROBS}]")
 
     @property
     def greedy(self) -> bool:

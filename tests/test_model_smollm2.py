@@ -297,6 +297,64 @@ def test_preemption(make_llm, ref, prompt_ids):
     assert_drained(tight)
 
 
+def assert_prompt_logprobs(ref: Reference, ids: list[int], prompt_lps, k: int, name: str) -> None:
+    """Every prompt token's logprob, its rank and the top k against transformers' log-softmax of
+    the whole prompt in one forward."""
+    with torch.no_grad():
+        lp = torch.log_softmax(ref.model(torch.tensor([ids])).logits[0].float(), dim=-1)   # [P, vocab]
+    assert prompt_lps is not None and len(prompt_lps) == len(ids), name
+    assert prompt_lps[0] is None, name
+    for t in range(1, len(ids)):
+        entry, row, tok = prompt_lps[t], lp[t - 1], ids[t]
+        assert tok in entry, f"{name} token {t}"
+        assert abs(entry[tok].logprob - row[tok].item()) <= FP32_LOGPROB_ATOL, f"{name} token {t}"
+        v = row[tok].item()   # rank: 1 + how many score higher (ties within the tolerance either way)
+        lo, hi = int((row > v + FP32_LOGPROB_ATOL).sum()) + 1, int((row > v - FP32_LOGPROB_ATOL).sum()) + 1
+        assert lo <= entry[tok].rank <= hi, f"{name} token {t}: rank {entry[tok].rank} not in [{lo}, {hi}]"
+        top = sorted((e for e in entry.values() if e.rank <= k), key=lambda e: e.rank)
+        assert len(entry) in (k, k + 1) and [e.rank for e in top] == list(range(1, k + 1)), f"{name} token {t}"
+        got = torch.tensor([e.logprob for e in top])
+        torch.testing.assert_close(got, row.topk(k).values, atol=FP32_LOGPROB_ATOL, rtol=0,
+                                   msg=lambda m: f"{name} token {t}: {m}")
+
+
+def test_prompt_logprobs(make_llm, ref, prompt_ids):
+    """`prompt_logprobs` (the completions API's echo with logprobs) match transformers at every
+    position: prompts computed in 160-token chunks (the 300-token prompt in two, each scored in
+    128-row slices), next to decodes, for both samples of n = 2, and for a prompt the prefix
+    cache holds, which must be computed again (hits stop where the logprobs reach); the greedy
+    continuations are unchanged."""
+    llm = make_llm(dtype="float32", kv_cache_tokens=4096, max_num_batched_tokens=160, enable_prefix_caching=True)
+    names = ["long", "france", "fox", "hello"]
+    [warm] = llm.generate([prompt_ids["long"]], GREEDY)          # the long prompt is now cached
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, prompt_logprobs=3, n=2)
+    outs = llm.generate([prompt_ids[n] for n in names], params)
+    for name, out in zip(names, outs):
+        ids = prompt_ids[name]
+        assert out.num_cached_tokens == 0, (name, out.num_cached_tokens)
+        assert_prompt_logprobs(ref, ids, out.prompt_logprobs, 3, name)
+        for comp in out.outputs:
+            assert comp.token_ids == ref(ids)[0], name
+    # Without prompt logprobs the same prompt is a cache hit again.
+    [again] = llm.generate([prompt_ids["long"]], GREEDY)
+    assert again.prompt_logprobs is None and again.num_cached_tokens >= len(prompt_ids["long"]) - 16
+    assert_drained(llm)
+
+
+def test_prompt_logprobs_through_preemption(make_llm, ref, prompt_ids):
+    """Preempted and recomputed requests still give every prompt position exactly once."""
+    tight = make_llm(dtype="float32", kv_cache_tokens=448, max_model_len=448, max_num_batched_tokens=64,
+                     enable_prefix_caching=True)
+    names = list(prompt_ids)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, prompt_logprobs=1)
+    outs = tight.generate([prompt_ids[n] for n in names], params)
+    assert tight.engine.stats().num_preemptions > 0
+    for name, out in zip(names, outs):
+        assert_prompt_logprobs(ref, prompt_ids[name], out.prompt_logprobs, 1, name)
+        assert out.outputs[0].token_ids == ref(prompt_ids[name])[0], name
+    assert_drained(tight)
+
+
 # --- bfloat16: the same up to near-ties ----------------------------------------------------
 def test_bfloat16_matches_transformers_bfloat16(make_llm, hf_fp32, ref, prompt_ids):
     bf16 = make_llm(dtype="bfloat16", kv_cache_tokens=4096, enable_prefix_caching=False)

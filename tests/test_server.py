@@ -219,6 +219,58 @@ def test_echo(client: openai.OpenAI, model: str) -> None:
     assert resp.choices[0].text.startswith(PROMPT)
 
 
+def test_echo_with_logprobs_scores_the_prompt(server: RemoteServer, client: openai.OpenAI, model: str) -> None:
+    """What evaluation harnesses send for a loglikelihood (lm-eval's `local-completions`): token ids,
+    `echo`, `logprobs`, `max_tokens` 1. The prompt's tokens come back with their logprobs (null for
+    the first), and those of tokens the server generated itself agree with what it reported while
+    generating them; the same call again is not answered from the prefix cache."""
+    ids = httpx.post(server.url + "/tokenize", json={"model": model, "prompt": PROMPT}).json()["tokens"]
+    gen = client.completions.create(model=model, prompt=ids, max_tokens=3, logprobs=1, temperature=0)
+    gen_ids = httpx.post(server.url + "/tokenize", json={"model": model, "prompt": PROMPT + gen.choices[0].text,
+                                                           "add_special_tokens": False}).json()["tokens"]
+    assert gen_ids[:len(ids)] == ids
+    full = ids + gen_ids[len(ids):len(ids) + 2]
+    calls = [client.completions.create(model=model, prompt=full, max_tokens=1, echo=True, logprobs=1, temperature=0)
+             for _ in range(2)]
+    for resp in calls:
+        lp = resp.choices[0].logprobs
+        assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == len(full) + 1
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        assert all(x <= 0 for x in lp.token_logprobs[1:]) and all(len(top) == 1 for top in lp.top_logprobs[1:])
+        assert "".join(lp.tokens) == resp.choices[0].text
+        assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
+        # bf16 logits on both paths (a prefill chunk here, decode steps there): within a few ulps
+        for mine, theirs in zip(lp.token_logprobs[len(ids):len(full)], gen.choices[0].logprobs.token_logprobs):
+            assert mine == pytest.approx(theirs, abs=0.15)
+        assert resp.usage.prompt_tokens == len(full)
+    assert calls[1].usage.prompt_tokens_details.cached_tokens == 0
+    assert calls[1].choices[0].logprobs.token_logprobs == calls[0].choices[0].logprobs.token_logprobs
+
+    only = client.completions.create(model=model, prompt=PROMPT, max_tokens=0, echo=True, logprobs=2)
+    assert only.choices[0].text == PROMPT and only.choices[0].finish_reason == "length"
+    assert len(only.choices[0].logprobs.tokens) == len(ids) and only.choices[0].logprobs.token_logprobs[0] is None
+    streamed = list(client.completions.create(model=model, prompt=PROMPT, max_tokens=2, echo=True, logprobs=1,
+                                              temperature=0, stream=True))
+    tokens = [t for c in streamed if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
+    assert len(tokens) == len(ids) + 2 and "".join(c.choices[0].text for c in streamed if c.choices).startswith(PROMPT)
+
+
+def test_prompt_logprobs_field(client: openai.OpenAI, model: str) -> None:
+    """vLLM's `prompt_logprobs`: per prompt token {token id: logprob, rank, decoded_token}, the
+    token itself and the top k, on both endpoints."""
+    chat = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=2, extra_body={"prompt_logprobs": 2})
+    plp = chat.model_extra["prompt_logprobs"]
+    assert len(plp) == chat.usage.prompt_tokens and plp[0] is None
+    for entry in plp[1:]:
+        assert 2 <= len(entry) <= 3
+        ranks = sorted(e["rank"] for e in entry.values())
+        assert ranks[:2] == [1, 2] and all(e["logprob"] <= 0 and isinstance(e["decoded_token"], str) for e in entry.values())
+    comp = client.completions.create(model=model, prompt=PROMPT, max_tokens=2, extra_body={"prompt_logprobs": 0})
+    plp = comp.choices[0].model_extra["prompt_logprobs"]
+    assert len(plp) == comp.usage.prompt_tokens and plp[0] is None and all(len(e) == 1 for e in plp[1:])
+    assert comp.choices[0].logprobs is None
+
+
 def test_workflow_fields_and_unknown_fields_are_accepted(client: openai.OpenAI, model: str) -> None:
     resp = client.chat.completions.create(
         model=model, messages=MESSAGES, max_tokens=2, user="someone",

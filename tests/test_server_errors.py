@@ -65,6 +65,7 @@ BAD_CHAT = {
     "max_tokens_wrong_type": (chat(max_tokens="many"), "max_tokens"),
     "stream_wrong_type": (chat(stream="sometimes"), "stream"),
     "max_tokens_zero": (chat(max_tokens=0), "max_tokens"),
+    "prompt_logprobs_with_stream": (chat(prompt_logprobs=0, stream=True), "prompt_logprobs"),
     "max_tokens_negative": (chat(max_tokens=-5), "max_tokens"),
     "max_completion_tokens_zero": (chat(max_completion_tokens=0), "max_tokens"),
     "max_tokens_beyond_context": (chat(max_tokens=2048), "max_tokens"),
@@ -113,7 +114,10 @@ BAD_COMPLETION = {
     "logprobs_negative": (completion(logprobs=-1), "logprobs"),
     "suffix": (completion(suffix="end"), "suffix"),
     "best_of": (completion(best_of=3), "best_of"),
-    "echo_with_logprobs": (completion(echo=True, logprobs=1), "echo"),
+    "max_tokens_zero_without_echo": (completion(max_tokens=0), "max_tokens"),
+    "prompt_logprobs_above_bound": (completion(prompt_logprobs=21), "prompt_logprobs"),
+    "prompt_logprobs_negative": (completion(prompt_logprobs=-1), "prompt_logprobs"),
+    "prompt_logprobs_with_stream": (completion(prompt_logprobs=1, stream=True), "prompt_logprobs"),
 }
 
 

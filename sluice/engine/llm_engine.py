@@ -227,6 +227,10 @@ class LLMEngine:
         t1 = time.perf_counter()
         if self.step_hook is not None:
             self.step_hook(sched)
+        if result.prompt_logprobs:
+            for req, _ in sched.scheduled:
+                if req.request_id in result.prompt_logprobs:
+                    req.prompt_logprobs.extend(result.prompt_logprobs[req.request_id])
         logprobs = self._logprobs_by_request(sched, result.logprobs)
         updated = self.scheduler.update_from_output(sched, result.sampled_token_ids)
         outputs.extend(self._process(updated, logprobs))
@@ -350,5 +354,8 @@ class LLMEngine:
             self._groups.pop(group.request_id, None)
             for s in group.samples:
                 self._child_to_group.pop(s.req.request_id, None)
+        prompt_lps = next((s.req.prompt_logprobs for s in group.samples
+                           if s.req.prompt_logprobs is not None and not s.req.needs_prompt_logprobs), None)
         return RequestOutput(group.request_id, group.prompt_token_ids, outs, finished,
-                             num_cached_tokens=cached, error=group.error, metrics=dict(group.metrics))
+                             num_cached_tokens=cached, error=group.error, metrics=dict(group.metrics),
+                             prompt_logprobs=prompt_lps)

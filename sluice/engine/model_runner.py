@@ -1,7 +1,7 @@
 """Turns a SchedulerOutput into one forward pass over the flattened batch, then samples."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import numpy as np
@@ -28,6 +28,9 @@ class RunnerOutput:
     sampled_token_ids: list[list[int]]
     # Per entry, None or one {token: Logprob} per yielded token (None if no request asked).
     logprobs: Optional[list[Optional[list[dict[int, Logprob]]]]]
+    # Requests computing prompt positions for their prompt logprobs: request id -> the entries of
+    # the prompt tokens after those its `prompt_logprobs` list holds, in order.
+    prompt_logprobs: dict[str, list[dict[int, Logprob]]] = field(default_factory=dict)
 
 
 def kv_bytes_per_token(config: EngineConfig) -> int:
@@ -80,6 +83,11 @@ class ModelRunner:
             self._init_states(out.state_inits)
             meta.state = self._state_meta([entries[i][0][0] for i in order], out.state_saves)
         hidden = self.model(input_ids, positions, self.kv_caches, meta)          # [T, hidden]
+        scoring = [(j, req, n) for j, (req, n) in enumerate(entries[i][0] for i in order) if req.needs_prompt_logprobs]
+        prompt_lps = {}
+        if scoring:
+            starts = meta.query_start_loc.tolist()
+            prompt_lps = {req.request_id: self._prompt_logprobs(req, n, hidden, starts[j]) for j, req, n in scoring}
 
         # Logits at each sampling entry's last position; a speculating entry's last 1 + k.
         ends = meta.query_start_loc[1:].tolist()
@@ -95,7 +103,7 @@ class ModelRunner:
             hidden_rows.extend(range(ends[j] - 1 - len(drafts), ends[j]))
             rows.extend(self._rows(req, drafts))
         if not rows:
-            return RunnerOutput([], None)
+            return RunnerOutput([], None, prompt_lps)
         index = torch.tensor(hidden_rows, dtype=torch.int64)
         logits = self.model.compute_logits(hidden.index_select(0, index))       # [N, vocab]
         sampled = self.sampler(logits, rows)
@@ -112,7 +120,38 @@ class ModelRunner:
             if lps is not None:
                 entry = sampled.logprobs[r0:r0 + len(got)]
                 lps.append(None if entry[0] is None else entry)
-        return RunnerOutput(ids, lps)
+        return RunnerOutput(ids, lps, prompt_lps)
+
+    # Rows of logits at a time for prompt logprobs: [rows, vocab] float32 is 25 MB for SmolLM2.
+    PROMPT_LOGPROB_ROWS = 128
+
+    def _prompt_logprobs(self, req: Request, n: int, hidden: torch.Tensor, start: int) -> list[dict[int, Logprob]]:
+        """The logprob entries this step's chunk of `req` (n tokens, query rows from `start`) gives for
+        the prompt tokens after those `req.prompt_logprobs` holds: position p's logits score token
+        p + 1 (the last prompt position's are the first sample's, not the prompt's)."""
+        computed, have = req.num_computed_tokens, len(req.prompt_logprobs)
+        assert computed <= have - 1, "a prefix-cache hit went past the prompt logprobs (scheduler)"
+        first = have - 1                                                 # positions [first, last)
+        last = min(computed + n, req.num_prompt_tokens - 1)
+        if last <= first:
+            return []
+        k = req.params.prompt_logprobs or 0
+        entries: list[dict[int, Logprob]] = []
+        for p0 in range(first, last, self.PROMPT_LOGPROB_ROWS):
+            p1 = min(last, p0 + self.PROMPT_LOGPROB_ROWS)
+            rows = hidden[start + p0 - computed:start + p1 - computed]
+            lp = torch.log_softmax(self.model.compute_logits(rows).float(), dim=-1)      # [r, vocab]
+            target = torch.tensor(req.prompt_token_ids[p0 + 1:p1 + 1], dtype=torch.int64).unsqueeze(1)
+            chosen = lp.gather(1, target)
+            ranks = ((lp > chosen).sum(dim=-1) + 1).tolist()
+            top_lp, top_ids = lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long())
+            for tid, value, rank, ids, vals in zip(target.squeeze(1).tolist(), chosen.squeeze(1).tolist(), ranks,
+                                                   top_ids.tolist(), top_lp.tolist()):
+                entry = {tid: Logprob(tid, value, rank)}
+                for r, (t, v) in enumerate(zip(ids, vals), start=1):
+                    entry.setdefault(t, Logprob(t, v, r))
+                entries.append(entry)
+        return entries
 
     def _init_states(self, inits: list[tuple[int, Optional[int]]]) -> None:
         """Newly admitted requests' state slots: zeros, or a copy of a prefix-cache snapshot."""

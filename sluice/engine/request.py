@@ -78,7 +78,24 @@ class Request:
         self.spec_acceptance = 1.0             # moving average of its drafts' acceptance rate
         self.draft_len: Optional[int] = None   # drafts it may take next (adaptive prompt lookup; scheduler.py)
         self.num_new_tokens = 0                # tokens appended by the latest step
+        # params.prompt_logprobs: entry i is prompt token i's {token: Logprob}, None for the first
+        # token; filled as the prompt's chunks are computed, so its length says how far they
+        # reached. Every sample of a group computes them (the engine hands out the first complete
+        # list): one sample's output may be streamed before another's prompt has run.
+        self.prompt_logprobs: Optional[list] = [None] if params.prompt_logprobs is not None else None
         self.opens_workflow = False            # the first call of its workflow (set by the scheduler)
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Prompt positions are still to be computed for their logprobs: prefix-cache hits must
+        stop where the logprobs reached (`max_prompt_hit`)."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_token_ids)
+
+    @property
+    def max_prompt_hit(self) -> int:
+        """Most leading tokens a prefix-cache hit may skip: the logits of positions 0..k-1 gave the
+        logprobs of tokens 1..k, so with L entries known, L - 1 positions need no recompute."""
+        return len(self.prompt_logprobs) - 1 if self.needs_prompt_logprobs else self.num_tokens
 
     @property
     def num_tokens(self) -> int:

@@ -449,7 +449,7 @@ class Scheduler:
         """How many leading tokens of the retained tail block of req's workflow continue req's
         prefix-cache hits (0: none, or no such block). The hits must be exactly the retention's
         full blocks, and at least one prompt token is left to compute (its logits are needed)."""
-        if self.states is not None or not computed:
+        if self.states is not None or not computed or req.needs_prompt_logprobs:
             return 0
         wf = self.workflows.workflows.get(req.workflow_id)
         r = wf.retention if wf is not None else None
@@ -523,6 +523,8 @@ class Scheduler:
         """Prefix-cache hits; for hybrid models only as deep as a state snapshot reaches, since
         the recurrent state at the end of the hit must be restored exactly."""
         hits = self.kv.get_computed_blocks(req)
+        if req.needs_prompt_logprobs:  # positions skipped would have no logits
+            hits = hits[:req.max_prompt_hit // self.block_size]
         if self.states is None:
             return hits
         n = len(hits)

@@ -173,6 +173,8 @@ class SamplingRequest(OpenAIRequestModel):
     repetition_penalty: Optional[float] = documented(exclusiveMinimum=0)
     stop_token_ids: Optional[list[int]] = None
     allowed_token_ids: Optional[list[int]] = None
+    # Per prompt token its logprob and the top `prompt_logprobs` (vLLM's field; not with `stream`).
+    prompt_logprobs: Optional[int] = documented(minimum=0)
     include_stop_str_in_output: Optional[bool] = False
     skip_special_tokens: Optional[bool] = True
     response_format: Optional[ResponseFormat] = None
@@ -218,7 +220,8 @@ class SamplingRequest(OpenAIRequestModel):
             return None
         return StructuredOutputsParams(**so.model_dump(by_alias=True, exclude_none=True))
 
-    def to_sampling_params(self, max_tokens: int, logprobs: Optional[int]) -> SamplingParams:
+    def to_sampling_params(self, max_tokens: int, logprobs: Optional[int],
+                           prompt_logprobs: Optional[int] = None) -> SamplingParams:
         """Raises ValueError for out-of-range values (the caller answers 400)."""
         return SamplingParams(
             n=1 if self.n is None else self.n,
@@ -236,6 +239,7 @@ class SamplingRequest(OpenAIRequestModel):
             min_tokens=self.min_tokens or 0,
             ignore_eos=bool(self.ignore_eos),
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
             include_stop_str_in_output=bool(self.include_stop_str_in_output),
             skip_special_tokens=self.skip_special_tokens is not False,
             structured_outputs=self.structured_outputs_params(),
@@ -366,6 +370,7 @@ PromptInput = Union[str, list[str], list[int], list[list[int]]]
 
 class CompletionRequest(SamplingRequest):
     prompt: PromptInput
+    max_tokens: Optional[int] = documented(minimum=0)  # 0 only with echo: the prompt alone
     echo: Optional[bool] = False
     logprobs: Optional[int] = documented(minimum=0)
     best_of: Optional[int] = None
@@ -528,6 +533,18 @@ class ChatCompletionChoice(BaseModel):
     stop_reason: Optional[Union[int, str]] = None
 
 
+class PromptLogprob(BaseModel):
+    """One token of a prompt-logprob entry, as vLLM writes it."""
+
+    logprob: float
+    rank: Optional[int] = None
+    decoded_token: Optional[str] = None
+
+
+# Per prompt token: None for the first, else {token id: its logprob}, the token itself and the top ones.
+PromptLogprobs = list[Optional[dict[int, PromptLogprob]]]
+
+
 class ChatCompletionResponse(BaseModel):
     id: str
     object: Literal["chat.completion"] = "chat.completion"
@@ -535,6 +552,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatCompletionChoice]
     usage: UsageInfo
+    prompt_logprobs: Optional[PromptLogprobs] = None
 
 
 class _DropNone(BaseModel):
@@ -600,12 +618,18 @@ class CompletionChoice(BaseModel):
     stop_reason: Optional[Union[int, str]] = None
 
 
+class CompletionResponseChoice(CompletionChoice):
+    """A choice of a whole (not streamed) response: vLLM's `prompt_logprobs` may ride along."""
+
+    prompt_logprobs: Optional[PromptLogprobs] = None
+
+
 class CompletionResponse(BaseModel):
     id: str
     object: Literal["text_completion"] = "text_completion"
     created: int = Field(default_factory=now_s)
     model: str
-    choices: list[CompletionChoice]
+    choices: list[Union[CompletionResponseChoice, CompletionChoice]]
     usage: Optional[UsageInfo] = None
 
 

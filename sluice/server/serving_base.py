@@ -22,9 +22,11 @@ from sluice.engine.errors import EngineDeadError, RequestRejected
 from sluice.outputs import CompletionOutput, Logprob, RequestOutput
 from sluice.sampling_params import SamplingParams
 from sluice.server.metrics import ServerMetrics
-from sluice.server.protocol import REMOVED_GUIDED_FIELDS, APIError, ChatTemplateInput, SamplingRequest
+from sluice.server.protocol import REMOVED_GUIDED_FIELDS, APIError, ChatTemplateInput, PromptLogprob, SamplingRequest
 from sluice.server.tool_calls import prepare_chat
 from sluice.tokenizer import ChatTemplateError
+
+MIN_LOGPROB = -9999.0  # stands for -inf, which JSON cannot carry
 
 logger = logging.getLogger(__name__)
 
@@ -303,6 +305,10 @@ class OpenAIServing:
         for key in request.logit_bias or {}:   # ids; the engine bounds them by the vocabulary
             if not (key.isascii() and key.isdigit()):   # "²".isdigit() is True
                 raise APIError(400, f"logit_bias keys must be token ids, got {key!r}", param="logit_bias")
+        if request.prompt_logprobs is not None:
+            if request.stream:
+                raise APIError(400, "prompt_logprobs is not available with stream", param="prompt_logprobs")
+            self.check_logprobs(request.prompt_logprobs, "prompt_logprobs")
         for name in REMOVED_GUIDED_FIELDS:
             if (request.model_extra or {}).get(name) is not None:
                 raise APIError(400, f"{name} is not supported; vLLM replaced the guided_* fields with "
@@ -389,13 +395,27 @@ class OpenAIServing:
         return requested
 
     def sampling_params(
-        self, request: SamplingRequest, prompt_len: int, logprobs: Optional[int], prompt_param: str
+        self, request: SamplingRequest, prompt_len: int, logprobs: Optional[int], prompt_param: str,
+        prompt_logprobs: Optional[int] = None, max_tokens: Optional[int] = None,
     ) -> SamplingParams:
-        max_tokens = self.resolve_max_tokens(request.requested_max_tokens, prompt_len, prompt_param)
+        """`prompt_logprobs` and `max_tokens` (checked by the caller) stand in for the request's own."""
+        if max_tokens is None:
+            max_tokens = self.resolve_max_tokens(request.requested_max_tokens, prompt_len, prompt_param)
+        if prompt_logprobs is None:
+            prompt_logprobs = request.prompt_logprobs
         try:
-            return request.to_sampling_params(max_tokens=max_tokens, logprobs=logprobs)
+            return request.to_sampling_params(max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
         except ValueError as e:
             raise APIError(400, str(e)) from e
+
+    def prompt_logprobs_out(self, output: RequestOutput) -> Optional[list[Optional[dict[int, PromptLogprob]]]]:
+        """The engine's prompt logprobs in vLLM's response shape (None where none were asked)."""
+        if output.prompt_logprobs is None:
+            return None
+        return [None if entry is None else
+                {tid: PromptLogprob(logprob=max(lp.logprob, MIN_LOGPROB), rank=lp.rank, decoded_token=self.token_text(tid))
+                 for tid, lp in entry.items()}
+                for entry in output.prompt_logprobs]
 
     @staticmethod
     def workflow_info(request: SamplingRequest, raw_request: Request) -> WorkflowInfo:

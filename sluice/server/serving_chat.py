@@ -31,6 +31,7 @@ from sluice.server.protocol import (
     random_id,
 )
 from sluice.server.serving_base import (
+    MIN_LOGPROB,
     TextChunkTemplate,
     SSE_DONE,
     EngineCall,
@@ -54,7 +55,6 @@ from sluice.server.tool_calls import (
 )
 from sluice.sampling_params import StructuredOutputsParams
 
-_MIN_LOGPROB = -9999.0  # stands for -inf, which JSON cannot carry
 
 
 class OpenAIServingChat(OpenAIServing):
@@ -137,13 +137,14 @@ class OpenAIServingChat(OpenAIServing):
         num_logprobs: Optional[int], streams: GenerationStreams, parse_tools: Optional[Callable[[], Any]],
     ) -> ChatCompletionResponse:
         latest: dict[int, CompletionOutput] = {}
-        cached_tokens = 0
+        cached_tokens, prompt_logprobs = 0, None
         async for _, output in streams:
             for sample in output.outputs:
                 latest[sample.index] = sample
             if output.finished:
                 cached_tokens = output.num_cached_tokens
                 raise_if_failed(output)
+                prompt_logprobs = self.prompt_logprobs_out(output)
         choices = []
         for index in sorted(latest):
             sample = latest[index]
@@ -171,6 +172,7 @@ class OpenAIServingChat(OpenAIServing):
             model=self.model_name,
             choices=choices,
             usage=UsageInfo.of(prompt_len, completion_tokens, cached_tokens),
+            prompt_logprobs=prompt_logprobs,
         )
 
     async def _stream(
@@ -270,7 +272,7 @@ class OpenAIServingChat(OpenAIServing):
             text = self.token_text(token_id)
             content.append(ChatTokenLogprob(
                 token=text,
-                logprob=chosen.logprob if chosen is not None else _MIN_LOGPROB,
+                logprob=chosen.logprob if chosen is not None else MIN_LOGPROB,
                 bytes=list(text.encode()),
                 top_logprobs=[self._top_logprob(lp) for lp in self.top_logprobs(entry, num_top)],
             ))

@@ -11,18 +11,20 @@ from typing import AsyncIterator, Iterable, Optional
 from starlette.requests import Request
 from starlette.responses import Response
 
-from sluice.outputs import CompletionOutput, Logprob
+from sluice.outputs import CompletionOutput, Logprob, RequestOutput
 from sluice.server.protocol import (
     APIError,
     CompletionChoice,
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
+    CompletionResponseChoice,
     UsageInfo,
     now_s,
     random_id,
 )
 from sluice.server.serving_base import (
+    MIN_LOGPROB,
     TextChunkTemplate,
     SSE_DONE,
     EngineCall,
@@ -34,7 +36,6 @@ from sluice.server.serving_base import (
     sse_event,
 )
 
-_MIN_LOGPROB = -9999.0  # stands for -inf, which JSON cannot carry
 
 
 @dataclass
@@ -51,11 +52,22 @@ class OpenAIServingCompletion(OpenAIServing):
         self._check_completion_fields(request)
         prompts = self._tokenize(request)
         request_id = random_id("cmpl")
+        # `echo` with `logprobs` scores the prompt too (OpenAI's legacy API; what evaluation
+        # harnesses send), and with `max_tokens: 0` returns only the prompt (one token is still
+        # generated: the engine samples at the end of every prompt).
+        prompt_logprobs = request.prompt_logprobs
+        if request.echo and request.logprobs is not None:
+            prompt_logprobs = max(request.logprobs, prompt_logprobs or 0)
         calls = [
             EngineCall(
                 request_id if len(prompts) == 1 else f"{request_id}-{i}",
                 prompt.token_ids,
-                self.sampling_params(request, len(prompt.token_ids), request.logprobs, prompt_param="prompt"),
+                self.sampling_params(
+                    request, len(prompt.token_ids), request.logprobs, prompt_param="prompt",
+                    prompt_logprobs=prompt_logprobs,
+                    max_tokens=(self.resolve_max_tokens(1, len(prompt.token_ids), "prompt")
+                                if self._echo_only(request) else None),
+                ),
             )
             for i, prompt in enumerate(prompts)
         ]
@@ -74,8 +86,10 @@ class OpenAIServingCompletion(OpenAIServing):
         if request.best_of is not None and request.best_of != (request.n or 1):
             raise APIError(400, "best_of is not supported (other than best_of == n)", param="best_of")
         self.check_logprobs(request.logprobs, "logprobs")
-        if request.echo and request.logprobs is not None:
-            raise APIError(400, "echo together with logprobs is not supported", param="echo")
+
+    @staticmethod
+    def _echo_only(request: CompletionRequest) -> bool:
+        return bool(request.echo) and request.max_tokens == 0
 
     def _tokenize(self, request: CompletionRequest) -> list[_Prompt]:
         prompts = []
@@ -104,26 +118,31 @@ class OpenAIServingCompletion(OpenAIServing):
         streams: GenerationStreams,
     ) -> CompletionResponse:
         latest: dict[int, CompletionOutput] = {}
+        finals: dict[int, RequestOutput] = {}
         cached_tokens = 0
         async for call_index, output in streams:
             for sample in output.outputs:
                 latest[call_index * n + sample.index] = sample
             if output.finished:
+                finals[call_index] = output
                 cached_tokens += output.num_cached_tokens
                 raise_if_failed(output)
+        echo_only = self._echo_only(request)
         choices = []
         for index in sorted(latest):
-            sample = latest[index]
+            sample, output = latest[index], finals[index // n]
             logprobs = None
             if request.logprobs is not None:
-                tokens = list(zip(sample.token_ids, sample.logprobs or []))
+                tokens = self._echo_logprobs(request, output) + (
+                    [] if echo_only else list(zip(sample.token_ids, sample.logprobs or [])))
                 logprobs, _ = self._completion_logprobs(tokens, request.logprobs, 0)
-            choices.append(CompletionChoice(
+            choices.append(CompletionResponseChoice(
                 index=index,
-                text=self._echo_text(request, prompts[index // n]) + sample.text,
+                text=self._echo_text(request, prompts[index // n]) + ("" if echo_only else sample.text),
                 logprobs=logprobs,
-                finish_reason=sample.finish_reason,
-                stop_reason=sample.stop_reason,
+                finish_reason="length" if echo_only else sample.finish_reason,
+                stop_reason=None if echo_only else sample.stop_reason,
+                prompt_logprobs=self.prompt_logprobs_out(output) if request.prompt_logprobs is not None else None,
             ))
         return CompletionResponse(
             id=request_id,
@@ -152,6 +171,7 @@ class OpenAIServingCompletion(OpenAIServing):
         text_offsets: dict[int, int] = {}
         text_chunk: dict[int, TextChunkTemplate] = {}   # per choice: its text-only chunk
         cached_tokens = 0
+        echo_only = self._echo_only(request)
         try:
             async for call_index, output in streams:
                 for sample in output.outputs:
@@ -159,16 +179,19 @@ class OpenAIServingCompletion(OpenAIServing):
                     latest[index] = sample
                     if index in finished:
                         continue
-                    text = sample.text_delta
+                    text, echoed = ("", []) if echo_only else (sample.text_delta, self.new_logprobs(sample))
                     if index not in text_offsets:
                         text = self._echo_text(request, prompts[call_index]) + text
+                        echoed = self._echo_logprobs(request, output) + echoed
                         text_offsets[index] = 0
                     logprobs = None
-                    if request.logprobs is not None and sample.num_new_tokens:
+                    if request.logprobs is not None and echoed:
                         logprobs, text_offsets[index] = self._completion_logprobs(
-                            self.new_logprobs(sample), request.logprobs, text_offsets[index]
+                            echoed, request.logprobs, text_offsets[index]
                         )
                     finish_reason = sample.finish_reason if sample.finish_reason != "error" else None
+                    if echo_only and finish_reason:
+                        finish_reason = "length"
                     if finish_reason:
                         finished.add(index)
                     if text and not logprobs and not finish_reason:
@@ -178,8 +201,8 @@ class OpenAIServingCompletion(OpenAIServing):
                         yield text_chunk[index](text)
                     elif text or logprobs or finish_reason:
                         yield chunk([CompletionChoice(
-                            index=index, text=text, logprobs=logprobs,
-                            finish_reason=finish_reason, stop_reason=sample.stop_reason if finish_reason else None,
+                            index=index, text=text, logprobs=logprobs, finish_reason=finish_reason,
+                            stop_reason=sample.stop_reason if finish_reason and not echo_only else None,
                         )])
                 if output.finished:
                     cached_tokens += output.num_cached_tokens
@@ -195,19 +218,31 @@ class OpenAIServingCompletion(OpenAIServing):
         completion_tokens = sum(len(s.token_ids) for s in samples)
         return UsageInfo.of(sum(len(p.token_ids) for p in prompts), completion_tokens, cached_tokens)
 
+    @staticmethod
+    def _echo_logprobs(request: CompletionRequest, output: RequestOutput) -> list[tuple[int, Optional[dict[int, Logprob]]]]:
+        """(token id, logprob entry) of the prompt, when `echo` and `logprobs` put it in the logprobs."""
+        if not request.echo or request.logprobs is None or output.prompt_logprobs is None:
+            return []
+        return list(zip(output.prompt_token_ids, output.prompt_logprobs))
+
     def _completion_logprobs(
-        self, tokens: list[tuple[int, dict[int, Logprob]]], num_top: int, text_offset: int
+        self, tokens: list[tuple[int, Optional[dict[int, Logprob]]]], num_top: int, text_offset: int
     ) -> tuple[CompletionLogprobs, int]:
-        """Logprobs of `tokens` in the completions format, and the text offset after them."""
+        """Logprobs of `tokens` in the completions format, and the text offset after them. A
+        token without an entry (a prompt's first) has null for its logprob and its top ones."""
         result = CompletionLogprobs()
         for token_id, entry in tokens:
             text = self.token_text(token_id)
-            chosen = entry.get(token_id)
             result.tokens.append(text)
-            result.token_logprobs.append(chosen.logprob if chosen is not None else _MIN_LOGPROB)
+            result.text_offset.append(text_offset)
+            text_offset += len(text)
+            if entry is None:
+                result.token_logprobs.append(None)
+                result.top_logprobs.append(None)
+                continue
+            chosen = entry.get(token_id)
+            result.token_logprobs.append(chosen.logprob if chosen is not None else MIN_LOGPROB)
             result.top_logprobs.append(
                 {self.token_text(lp.token_id): lp.logprob for lp in self.top_logprobs(entry, num_top)}
             )
-            result.text_offset.append(text_offset)
-            text_offset += len(text)
         return result, text_offset
