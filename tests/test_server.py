@@ -210,7 +210,8 @@ def test_completion_logprobs(client: openai.OpenAI, model: str) -> None:
     assert lp.top_logprobs is not None and lp.text_offset is not None
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) > 0
     assert all(x <= 0 for x in lp.token_logprobs)
-    assert all(1 <= len(top) <= 2 for top in lp.top_logprobs)
+    # the top 2, and the token itself (OpenAI's "up to logprobs+1 elements")
+    assert all(2 <= len(top) <= 3 and top[tok] == x for tok, x, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs))
     assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
 
 
@@ -236,7 +237,9 @@ def test_echo_with_logprobs_scores_the_prompt(server: RemoteServer, client: open
         lp = resp.choices[0].logprobs
         assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == len(full) + 1
         assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
-        assert all(x <= 0 for x in lp.token_logprobs[1:]) and all(len(top) == 1 for top in lp.top_logprobs[1:])
+        assert all(x <= 0 for x in lp.token_logprobs[1:])
+        assert all(1 <= len(top) <= 2 and top[tok] == x
+                   for tok, x, top in zip(lp.tokens[1:], lp.token_logprobs[1:], lp.top_logprobs[1:]))
         assert "".join(lp.tokens) == resp.choices[0].text
         assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
         # bf16 logits on both paths (a prefill chunk here, decode steps there): within a few ulps

@@ -242,7 +242,10 @@ class OpenAIServingCompletion(OpenAIServing):
                 continue
             chosen = entry.get(token_id)
             result.token_logprobs.append(chosen.logprob if chosen is not None else MIN_LOGPROB)
-            result.top_logprobs.append(
-                {self.token_text(lp.token_id): lp.logprob for lp in self.top_logprobs(entry, num_top)}
-            )
+            # OpenAI: "the API will always return the logprob of the sampled token, so there may
+            # be up to logprobs+1 elements" (vLLM too: the token first, then the top ones).
+            top = {text: result.token_logprobs[-1]}
+            for lp in self.top_logprobs(entry, num_top):
+                top.setdefault(self.token_text(lp.token_id), lp.logprob)
+            result.top_logprobs.append(top)
         return result, text_offset
