@@ -11,6 +11,7 @@ import httpx
 import openai
 import pytest
 
+import sluice
 from hf_reference import hf_tokenizer as load_hf_tokenizer
 from server_utils import RemoteServer, metric, scrape_metrics, wait_until_idle
 from sluice.model.default import ensure_default_model
@@ -32,6 +33,7 @@ def test_health_and_models(server: RemoteServer, client: openai.OpenAI) -> None:
     models = client.models.list().data
     assert [m.id for m in models] == ["SmolLM2-135M-Instruct.Q4_1"]
     assert client.models.retrieve(models[0].id).id == models[0].id
+    assert httpx.get(server.url + "/version").json() == {"version": sluice.__version__}   # as vLLM's
 
 
 def test_chat_completion(client: openai.OpenAI, model: str) -> None:

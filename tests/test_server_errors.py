@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import time
+import urllib.parse
 from typing import Any, Iterator, Optional
 
 import httpx
@@ -383,3 +385,34 @@ def test_load_long_polls_until_there_is_room_and_counts_pending_workflows(auth_s
             assert_openai_error(httpx.get(url + bad), 400)
 
     asyncio.run(scenario())
+
+
+def _raw_get(server: RemoteServer, path: str) -> tuple[int, str, bytes]:
+    """GET `path` over a plain socket, its head sent in 4 KiB pieces as a network may deliver
+    it (httpx refuses URLs past 64 KiB): status, content type, body."""
+    port = int(server.url.rsplit(":", 1)[1])
+    head = f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n".encode()
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        for i in range(0, len(head), 4096):
+            sock.sendall(head[i:i + 4096])
+            time.sleep(0.001)
+        data = b""
+        while chunk := sock.recv(65536):
+            data += chunk
+    lines, body = data.split(b"\r\n\r\n", 1)
+    status = int(lines.split(b" ", 2)[1])
+    ctype = next((l.split(b":", 1)[1].strip().decode() for l in lines.split(b"\r\n") if l.lower().startswith(b"content-type")), "")
+    return status, ctype, body
+
+
+def test_load_answers_the_longest_pending_list_it_documents(auth_server: RemoteServer) -> None:
+    """`GET /load?pending=` takes up to 16,384 characters; 4-byte ones are 12 URL characters
+    each, a 197 KB request line. uvicorn's parser refused heads past 16 KiB with a bare text
+    400 (or a broken pipe) before the app saw them, depending on how the bytes arrived."""
+    longest = urllib.parse.quote("\U00010000" * 16384)
+    status, ctype, body = _raw_get(auth_server, "/load?pending=" + longest)
+    assert status == 200 and ctype.startswith("application/json"), (status, ctype, body[:200])
+    assert json.loads(body)["pending_counted"] == 0
+    status, ctype, body = _raw_get(auth_server, "/load?pending=" + longest + "x")   # one past the bound
+    assert status == 400 and ctype.startswith("application/json"), (status, ctype, body[:200])
+    assert json.loads(body)["error"]["message"]

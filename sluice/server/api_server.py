@@ -18,6 +18,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+import sluice
 from sluice.config import EngineConfig, ServerConfig
 from sluice.engine.async_engine import AsyncEngine
 from sluice.engine.errors import EngineError
@@ -120,6 +121,11 @@ def _bearer_auth(api_key: str) -> Callable[[Request], Awaitable[None]]:
 LOAD_WAIT_MAX_S = 30.0   # the longest `GET /load?wait=` holds an answer
 LOAD_WAIT_TICK_S = 0.02  # how often a held `/load` looks at the engine's stats (in process, no HTTP)
 LOAD_PENDING_MAX_CHARS = 16384   # `GET /load?pending=`: a router's admissions in transit
+# The most a request's line and headers may take. uvicorn's HTTP parser (h11) answers a head it has
+# buffered past 16 KiB with a bare text/plain 400 before the app sees it (or the client gets a
+# broken pipe), so a `pending` within its documented bound, 12 URL characters for each 4-byte
+# character, was refused by how the bytes happened to arrive (the schema fuzz found it).
+MAX_REQUEST_HEAD_BYTES = 12 * LOAD_PENDING_MAX_CHARS + 64 * 1024
 
 
 def _install_error_handlers(app: FastAPI) -> None:
@@ -245,6 +251,11 @@ def build_app(
         phase = lifecycle.phase if engine.is_healthy else Phase.DEAD
         return JSONResponse({"status": phase.value}, status_code=200 if phase is Phase.SERVING else 503)
 
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        """The server's version, as vLLM's `GET /version` answers (open, like /health)."""
+        return {"version": sluice.__version__}
+
     def load_info(pending: frozenset[str]) -> LoadInfo:
         s = engine.stats()
         return LoadInfo(
@@ -333,6 +344,7 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig) -> int:
         lifespan="on",
         access_log=server_config.log_requests,
         timeout_graceful_shutdown=_UVICORN_GRACE_S,
+        h11_max_incomplete_event_size=MAX_REQUEST_HEAD_BYTES,
     ), lifecycle)
     server.run()
     if not server.started:
