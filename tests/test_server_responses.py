@@ -246,6 +246,7 @@ BAD = {
     "input_beyond_context": ({"input": "word " * 2100}, "input"),
     "unknown_previous_response": ({"previous_response_id": "resp_unknown"}, "previous_response_id"),
     "other_model": ({"model": "other"}, "model"),
+    "prompt_logprobs": ({"prompt_logprobs": 1}, "prompt_logprobs"),
 }
 
 

@@ -427,6 +427,9 @@ class OpenAIServingResponses(OpenAIServingChat):
     @staticmethod
     def _chat_body(request: ResponsesRequest, messages: list[dict[str, Any]]) -> dict[str, Any]:
         body: dict[str, Any] = dict(request.model_extra or {})   # fields the Responses API does not declare
+        if body.get("prompt_logprobs") is not None:   # it would be computed (the whole prompt, uncached) and lost
+            raise APIError(400, "prompt_logprobs is not served by /v1/responses (use /v1/completions or "
+                           "/v1/chat/completions)", param="prompt_logprobs")
         body.update(
             model=request.model, messages=messages, n=1, stream=False,
             max_completion_tokens=request.max_output_tokens, temperature=request.temperature, top_p=request.top_p,
