@@ -12,7 +12,7 @@ from sluice import hugepages
 from sluice.attention.base import AttentionMetadata, StateMetadata
 from sluice.config import EngineConfig
 from sluice.engine.request import Request
-from sluice.engine.sampler import Sampler, SamplingRow
+from sluice.engine.sampler import Sampler, SamplingRow, logprob_entries
 from sluice.engine.scheduler import SchedulerOutput
 from sluice.engine.spec_decode import accept
 from sluice.engine.state_pool import StateLayout
@@ -141,16 +141,8 @@ class ModelRunner:
             p1 = min(last, p0 + self.PROMPT_LOGPROB_ROWS)
             rows = hidden[start + p0 - computed:start + p1 - computed]
             lp = torch.log_softmax(self.model.compute_logits(rows).float(), dim=-1)      # [r, vocab]
-            target = torch.tensor(req.prompt_token_ids[p0 + 1:p1 + 1], dtype=torch.int64).unsqueeze(1)
-            chosen = lp.gather(1, target)
-            ranks = ((lp > chosen).sum(dim=-1) + 1).tolist()
-            top_lp, top_ids = lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long())
-            for tid, value, rank, ids, vals in zip(target.squeeze(1).tolist(), chosen.squeeze(1).tolist(), ranks,
-                                                   top_ids.tolist(), top_lp.tolist()):
-                entry = {tid: Logprob(tid, value, rank)}
-                for r, (t, v) in enumerate(zip(ids, vals), start=1):
-                    entry.setdefault(t, Logprob(t, v, r))
-                entries.append(entry)
+            target = torch.tensor(req.prompt_token_ids[p0 + 1:p1 + 1], dtype=torch.int64)
+            entries.extend(logprob_entries(lp, target, [k] * len(target)))
         return entries
 
     def _init_states(self, inits: list[tuple[int, Optional[int]]]) -> None:

@@ -93,9 +93,10 @@ class Request:
 
     @property
     def max_prompt_hit(self) -> int:
-        """Most leading tokens a prefix-cache hit may skip: the logits of positions 0..k-1 gave the
-        logprobs of tokens 1..k, so with L entries known, L - 1 positions need no recompute."""
-        return len(self.prompt_logprobs) - 1 if self.needs_prompt_logprobs else self.num_tokens
+        """While `needs_prompt_logprobs`: the most leading tokens a prefix-cache hit may skip. The
+        logits of positions 0..k-1 gave the logprobs of tokens 1..k, so with L entries known, L - 1
+        positions need no recompute."""
+        return len(self.prompt_logprobs) - 1
 
     @property
     def num_tokens(self) -> int:

@@ -269,22 +269,26 @@ def _gather_logprobs(
     """Sampled token's logprob and 1-based rank, plus the top `params.logprobs`, per asking row."""
     wanted = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
     idx = torch.tensor(wanted, device=logprobs.device)
-    lp = logprobs[idx]  # [W, V]
-    chosen = token_ids[idx].unsqueeze(1)  # [W, 1]
+    entries = logprob_entries(logprobs[idx], token_ids[idx], [rows[i].params.logprobs or 0 for i in wanted])
+    out: list[Optional[dict[int, Logprob]]] = [None] * len(rows)
+    for i, entry in zip(wanted, entries):
+        out[i] = entry
+    return out
+
+
+def logprob_entries(lp: torch.Tensor, token_ids: torch.Tensor, num_top: Sequence[int]) -> list[dict[int, Logprob]]:
+    """Per row of log-probabilities `lp` [W, V]: {token: Logprob} with `token_ids[w]`'s logprob and
+    1-based rank first, then the top `num_top[w]` (sampled tokens here; the prompt's own tokens in
+    model_runner's prompt logprobs)."""
+    chosen = token_ids.unsqueeze(1)  # [W, 1]
     chosen_lp = lp.gather(1, chosen)  # [W, 1]
     chosen_rank = (lp > chosen_lp).sum(dim=-1) + 1  # [W]
-    k = max(rows[i].params.logprobs or 0 for i in wanted)
-    top_lp, top_ids = lp.topk(k, dim=-1)  # [W, k]
-
-    chosen_l = chosen.squeeze(1).tolist()
-    chosen_lp_l = chosen_lp.squeeze(1).tolist()
-    rank_l = chosen_rank.tolist()
-    top_ids_l, top_lp_l = top_ids.tolist(), top_lp.tolist()
-    out: list[Optional[dict[int, Logprob]]] = [None] * len(rows)
-    for w, i in enumerate(wanted):
-        entry = {chosen_l[w]: Logprob(chosen_l[w], chosen_lp_l[w], rank_l[w])}
-        num_top = rows[i].params.logprobs or 0
-        for rank, (tid, value) in enumerate(zip(top_ids_l[w][:num_top], top_lp_l[w][:num_top]), start=1):
-            entry.setdefault(tid, Logprob(tid, value, rank))
-        out[i] = entry
+    top_lp, top_ids = lp.topk(max(num_top, default=0), dim=-1)  # [W, k]
+    out = []
+    for tid, value, rank, ids, values, k in zip(chosen.squeeze(1).tolist(), chosen_lp.squeeze(1).tolist(),
+                                                chosen_rank.tolist(), top_ids.tolist(), top_lp.tolist(), num_top):
+        entry = {tid: Logprob(tid, value, rank)}
+        for r, (t, v) in enumerate(zip(ids[:k], values[:k]), start=1):
+            entry.setdefault(t, Logprob(t, v, r))
+        out.append(entry)
     return out
