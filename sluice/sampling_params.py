@@ -140,12 +140,18 @@ class SamplingParams:
     structured_outputs: Optional[StructuredOutputsParams] = None
     logit_bias: Optional[dict[int, float]] = None     # token id -> added to its logit, in [-100, 100]
     allowed_token_ids: Optional[list[int]] = None     # sample only among these ids
+    # Words the output must not contain (vLLM's field; the engine bans their token sequences, as
+    # vLLM does: sluice/engine/bad_words.py).
+    bad_words: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if isinstance(self.bad_words, str):
+            self.bad_words = [self.bad_words]
+        self.bad_words = list(self.bad_words or [])
         self.validate()
 
     def validate(self) -> None:
@@ -181,6 +187,8 @@ class SamplingParams:
         if self.allowed_token_ids is not None:
             if not self.allowed_token_ids or any(not isinstance(t, int) or t < 0 for t in self.allowed_token_ids):
                 raise ValueError("allowed_token_ids must be a non-empty list of token ids")
+        if any(not isinstance(w, str) or not w.strip() for w in self.bad_words):
+            raise ValueError("bad_words must be non-empty strings")
         if self.logprobs is not None and not 0 <= self.logprobs <= _MAX_LOGPROBS:
             raise ValueError(f"logprobs must be in [0, {_MAX_LOGPROBS}]")
         if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= _MAX_LOGPROBS:

@@ -40,6 +40,7 @@ import torch
 
 from hf_reference import hf_model_fp32
 from sluice.engine import llm_engine
+from sluice.engine.bad_words import bad_words_token_ids
 from sluice.llm import LLM
 from sluice.model import gguf_loader
 from sluice.engine.structured_output import allowed_tokens, grammar_text
@@ -444,6 +445,41 @@ def test_speculative_decoding_stops_where_plain_decoding_does(make_llm, llm, pro
             [c] = spec.generate([prompt_ids[name]], params)
             assert c.outputs[0].token_ids == plain.outputs[0].token_ids[:max_tokens], (name, max_tokens)
             assert c.outputs[0].finish_reason == "length"
+    assert _spec_counts(spec)[1] > 0
+    assert_drained(spec)
+
+
+def test_bad_words_match_transformers(make_llm, llm, ref, hf_fp32, prompt_ids):
+    """bad_words: float32 greedy output token for token as transformers' `bad_words_ids` with the
+    sequences sluice derives (a word of the free output alone, then a two-word phrase of it, whose
+    second token is banned only right after its first), with and without speculative decoding."""
+    spec = make_llm(dtype="float32", kv_cache_tokens=4096, enable_prefix_caching=False, speculative_config=SPEC)
+    for name in ("france", "story", "numbers", "long"):
+        ids = prompt_ids[name]
+        free, _ = ref(ids)
+        words = [llm.tokenizer.decode([t]).strip() for t in free]
+
+        def bans(span):  # a word whose banned sequences include the free output's tokens at span
+            word = llm.tokenizer.decode(free[span])
+            return word.strip() and list(free[span]) in bad_words_token_ids(llm.tokenizer, [word])
+
+        single = next(llm.tokenizer.decode(free[k:k + 1]) for k in range(2, len(free)) if bans(slice(k, k + 1)))
+        phrase = next(llm.tokenizer.decode(free[j:j + 2]) for j in range(1, len(free) - 1)
+                      if words[j] and words[j + 1] and free[j] != ids[-1] and bans(slice(j, j + 2)))
+        for bad in ([single], [phrase]):
+            seqs = bad_words_token_ids(llm.tokenizer, bad)
+            t = torch.tensor([ids])
+            with torch.no_grad():
+                expected = hf_fp32.generate(t, attention_mask=torch.ones_like(t), do_sample=False, max_new_tokens=MAX_TOKENS,
+                                            bad_words_ids=seqs)[0, len(ids):].tolist()
+            assert expected != free, (name, bad)
+            params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, bad_words=bad)
+            for engine in (llm, spec):
+                [out] = engine.generate([ids], params)
+                got = out.outputs[0].token_ids
+                assert got == expected[:len(got)] and (len(got) == len(expected) or out.outputs[0].finish_reason == "stop"), (
+                    name, bad, got, expected)
+                assert not any(tuple(got[i:i + len(s)]) == tuple(s) for s in seqs for i in range(len(got))), (name, bad)
     assert _spec_counts(spec)[1] > 0
     assert_drained(spec)
 

@@ -346,3 +346,31 @@ def test_logit_bias_and_allowed_token_ids(sampler: Sampler) -> None:
 def test_bad_logit_bias_and_allowed_ids_are_refused(kwargs) -> None:
     with pytest.raises(ValueError):
         SamplingParams(**kwargs)
+
+
+def test_bad_words_ban_a_sequence_s_last_token_after_the_rest_of_it() -> None:
+    """vLLM's rule: a one-token word is banned always; a longer one's last token only where the
+    output (then the drafts before the position) ends with the rest of it; the prompt never counts."""
+    from sluice.engine.bad_words import BadWords
+    from sluice.engine.model_runner import ModelRunner
+    from sluice.engine.request import Request
+
+    bw = BadWords([[1, 2, 3], [7], [5, 6]])
+    assert bw.banned([]) == (7,)
+    assert bw.banned([9, 1]) == (7,) and bw.banned([9, 1, 2]) == (3, 7)
+    assert bw.banned([9, 1], [2]) == (3, 7) and bw.banned([], [1, 2]) == (3, 7) and bw.banned([1, 2], [4]) == (7,)
+    assert bw.banned([2, 5]) == (7, 6) and bw.banned([5], [8]) == (7,)
+    req = Request("r", [1, 2], SamplingParams(temperature=0.0, max_tokens=8), 8, 0.0, bad_words=bw)
+    assert req.banned_token_ids() == (7,)                       # the prompt's [1, 2] does not count
+    req.append_output_token(1)
+    rows = ModelRunner._rows(req, [2, 3, 5])                    # verifying drafts 2, 3, 5 after output [1]
+    assert [tuple(r.suppress_token_ids) for r in rows] == [(7,), (3, 7), (7,), (7, 6)]
+    greedy = Sampler()(torch.tensor([[0.0, 1.0, 2.0, 9.0, 0.0, 0.0, 0.0, 8.0]]), rows[1:2])
+    assert greedy.token_ids.tolist() == [2]                     # 3 and 7 banned: the next best
+
+
+def test_bad_words_params_are_checked() -> None:
+    assert SamplingParams(bad_words="word").bad_words == ["word"]
+    for bad in ([""], ["  "], [3]):
+        with pytest.raises(ValueError, match="bad_words"):
+            SamplingParams(bad_words=bad)

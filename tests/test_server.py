@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import uuid
 from typing import Iterator
 
 import httpx
@@ -188,6 +189,37 @@ def test_logit_bias_and_allowed_token_ids(client: openai.OpenAI, model: str) -> 
     assert text and text.replace(" yes", "").replace(" no", "") == "", text
 
 
+def test_bad_words(client: openai.OpenAI, model: str) -> None:
+    """vLLM's bad_words: the word's tokens (alone and after a space) are never generated, on both
+    endpoints, streamed or not; other output is untouched up to the first place it would appear."""
+    from sluice.model.default import ensure_default_model
+    from sluice.model.loader import load_tokenizer
+
+    tok = load_tokenizer(ensure_default_model())
+    prompt, greedy = "The capital of France is", {"max_tokens": 8, "temperature": 0, "logprobs": 0}
+    free = client.completions.create(model=model, prompt=prompt, **greedy).choices[0]
+    word = free.logprobs.tokens[0].strip()
+    banned_strs = {tok.decode([seq[0]]) for seq in (tok.encode(word, add_special_tokens=False),
+                                                     tok.encode(" " + word, add_special_tokens=False)) if len(seq) == 1}
+    assert free.logprobs.tokens[0] in banned_strs, (word, banned_strs)
+    got = client.completions.create(model=model, prompt=prompt, extra_body={"bad_words": [word]}, **greedy).choices[0]
+    assert got.logprobs.tokens and not banned_strs.intersection(got.logprobs.tokens), (free.text, got.text)
+    # a two-token phrase of the free output: its second token is banned only right after its first
+    toks = free.logprobs.tokens
+    i = next(i for i in range(1, len(toks) - 1) if toks[i].strip().isalpha() and toks[i + 1].strip().isalpha())
+    a, b = toks[i:i + 2]
+    phrase = client.completions.create(model=model, prompt=prompt, extra_body={"bad_words": [a + b]}, **greedy).choices[0]
+    pairs = list(zip(phrase.logprobs.tokens, phrase.logprobs.tokens[1:]))
+    assert (a, b) not in pairs and phrase.logprobs.tokens[:i + 1] == toks[:i + 1], (free.text, phrase.text)
+    chat = [{"role": "user", "content": "What is the capital of France? One word."}]
+    plain = client.chat.completions.create(model=model, messages=chat, max_tokens=8, temperature=0)
+    assert "Paris" in plain.choices[0].message.content
+    streamed = client.chat.completions.create(model=model, messages=chat, max_tokens=8, temperature=0, stream=True,
+                                              extra_body={"bad_words": ["Paris"]})
+    text = "".join(c.choices[0].delta.content or "" for c in streamed if c.choices)
+    assert text and "Paris" not in text, text
+
+
 def test_chat_logprobs(client: openai.OpenAI, model: str) -> None:
     resp = client.chat.completions.create(
         model=model, messages=MESSAGES, max_tokens=5, logprobs=True, top_logprobs=3, temperature=0
@@ -285,6 +317,24 @@ def test_workflow_fields_and_unknown_fields_are_accepted(client: openai.OpenAI, 
                     "some_future_field": {"x": 1}},
     )
     assert resp.choices[0].finish_reason in ("stop", "length")
+
+
+def test_session_id_names_the_workflow(server: RemoteServer, client: openai.OpenAI, model: str) -> None:
+    """vLLM's `session_id` names the call's workflow (after the X-Workflow-Id header and
+    `workflow_id`, before `user`): its KV is retained for the next call, which `/load` counts."""
+    def counted(*ids: str) -> int:
+        return httpx.get(server.url + "/load", params={"pending": ",".join(ids)}, timeout=10).json()["pending_counted"]
+
+    tag = uuid.uuid4().hex[:8]
+    sess, wf, user = f"sess-{tag}", f"wf-{tag}", f"user-{tag}"
+    client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=2, user=user, extra_body={"session_id": sess})
+    assert counted(sess) == 1 and counted(user) == 0
+    client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=2,
+                                   extra_body={"session_id": f"{sess}-2", "workflow_id": wf})
+    assert counted(wf) == 1 and counted(f"{sess}-2") == 0
+    for body in ({"session_id": sess}, {"workflow_id": wf}):   # the last step ends each workflow
+        client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=1, extra_body={**body, "is_last_step": True})
+    assert counted(sess, wf) == 0
 
 
 # -- /tokenize and /detokenize (vLLM's endpoints), and vLLM's chat template fields --------------

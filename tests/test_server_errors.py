@@ -101,6 +101,10 @@ BAD_CHAT = {
                                                             "chat_template_kwargs"),
     "chat_template_kwargs_not_an_object": (chat(chat_template_kwargs=[1]), "chat_template_kwargs"),
     # Tool calls are parsed only by a server started with --enable-auto-tool-choice.
+    "bad_words_empty": (chat(bad_words=["ok", " "]), "bad_words"),
+    "bad_words_not_strings": (chat(bad_words=[7]), "bad_words"),
+    "bad_words_beyond_128_sequences": (chat(bad_words=[f"w{i}" for i in range(65)]), "bad_words"),
+    "bad_words_banning_every_allowed_token": (chat(bad_words=["Hello"], allowed_token_ids=[19556]), "bad_words"),
     "tools_without_auto_tool_choice": (chat(tools=[{"type": "function", "function": {"name": "f"}}]), "tool_choice"),
 }
 

@@ -116,6 +116,22 @@ def test_previous_response_id_continues_the_conversation_with_its_kv(client: ope
     assert second.usage.input_tokens_details.cached_tokens == computed
 
 
+def test_a_session_id_names_the_workflow_instead_of_the_chain(server: RemoteServer, client: openai.OpenAI,
+                                                              model: str) -> None:
+    """vLLM's `session_id` names the workflow of a response, as `workflow_id` does; without either
+    the chain of responses is the workflow, named by its first response's id."""
+    def counted(*ids: str) -> int:
+        return httpx.get(server.url + "/load", params={"pending": ",".join(ids)}, timeout=10).json()["pending_counted"]
+
+    chained = client.responses.create(model=model, input="Hi", max_output_tokens=2)
+    named = client.responses.create(model=model, input="Hi", max_output_tokens=2, extra_body={"session_id": "sess-r"})
+    assert counted(chained.id) == 1 and counted("sess-r") == 1 and counted(named.id) == 0
+    for body in ({"session_id": "sess-r"}, {"workflow_id": chained.id}):
+        client.responses.create(model=model, input="Bye", max_output_tokens=1, store=False,
+                                extra_body={**body, "is_last_step": True})
+    assert counted(chained.id, "sess-r") == 0
+
+
 def test_function_calls_and_their_outputs_as_items(client: openai.OpenAI, model: str) -> None:
     chat = chat_equivalent(client, model, TOOL_MESSAGES, tools=CHAT_TOOLS)
     expected = [(c.function.name, json.loads(c.function.arguments)) for c in chat.choices[0].message.tool_calls or []]

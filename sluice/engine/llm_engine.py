@@ -16,6 +16,7 @@ import torch
 from sluice.attention import create_backend
 from sluice.config import EngineConfig
 from sluice.engine.admission import StepShape
+from sluice.engine.bad_words import BadWords, bad_words_token_ids
 from sluice.engine.detokenizer import IncrementalDetokenizer
 from sluice.engine.errors import RequestRejected
 from sluice.engine.cache_plan import plan_for
@@ -139,6 +140,16 @@ class LLMEngine:
             except ValueError as e:
                 raise RequestRejected(str(e), param="structured_outputs") from e
 
+        bad_words = None
+        if params.bad_words:
+            try:
+                bad_words = BadWords(bad_words_token_ids(self.tokenizer, params.bad_words))
+            except ValueError as e:
+                raise RequestRejected(str(e), param="bad_words") from e
+            if params.allowed_token_ids is not None and set(params.allowed_token_ids) <= {
+                    seq[0] for seq in bad_words.seqs if len(seq) == 1}:
+                raise RequestRejected("bad_words bans every one of allowed_token_ids", param="bad_words")
+
         now = arrival_time if arrival_time is not None else self.clock()
         workflow = workflow or WorkflowInfo()
         samples = []
@@ -149,7 +160,7 @@ class LLMEngine:
                 generator = torch.Generator().manual_seed(params.seed + i)
             req = Request(child_id, prompt_token_ids, params, max_tokens, now, self.eos_token_ids,
                           workflow.workflow_id, workflow.is_last_step, generator,
-                          grammar.new_state() if grammar is not None else None)
+                          grammar.new_state() if grammar is not None else None, bad_words)
             detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.skip_special_tokens,
                                            params.stop, params.include_stop_str_in_output)
             want_lp = params.logprobs is not None

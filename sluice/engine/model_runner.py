@@ -171,6 +171,10 @@ class ModelRunner:
             suppress = req.suppressed_token_ids(i)
             if suppress and masks is not None and not leaves_a_token(masks[i], suppress):
                 suppress = ()   # min_tokens yields where the grammar allows nothing but an end
+            if req.bad_words is not None:
+                banned = req.banned_token_ids(drafts[:i])
+                if banned and (masks is None or leaves_a_token(masks[i], (*suppress, *banned))):
+                    suppress = (*suppress, *banned)   # (a grammar that allows only banned ids wins)
             rows.append(SamplingRow(params=req.params, prompt_token_ids=req.prompt_token_ids,
                                     output_token_ids=[*req.output_token_ids, *drafts[:i]] if i else req.output_token_ids,
                                     generator=req.generator, suppress_token_ids=suppress,

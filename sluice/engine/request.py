@@ -2,10 +2,11 @@
 from __future__ import annotations
 
 import enum
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
+from sluice.engine.bad_words import BadWords
 from sluice.engine.block_pool import Block, BlockHash
 from sluice.engine.structured_output import GrammarState
 from sluice.sampling_params import SamplingParams
@@ -44,6 +45,7 @@ class Request:
         is_last_step: bool = False,
         generator: Optional[torch.Generator] = None,
         grammar: Optional[GrammarState] = None,
+        bad_words: Optional[BadWords] = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -56,6 +58,7 @@ class Request:
         self.is_last_step = is_last_step
         self.generator = generator
         self.grammar = grammar                 # structured outputs: advances with every output token
+        self.bad_words = bad_words             # params.bad_words as token sequences (bad_words.py)
 
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(prompt_token_ids)
@@ -171,6 +174,10 @@ class Request:
         if not self.params.ignore_eos:
             ids += self.eos_token_ids
         return ids
+
+    def banned_token_ids(self, drafts: Sequence[int] = ()) -> tuple[int, ...]:
+        """Ids `bad_words` forbids next (after the output and then `drafts`, speculated tokens)."""
+        return self.bad_words.banned(self.output_token_ids, drafts) if self.bad_words is not None else ()
 
     def __repr__(self) -> str:
         return (f"Request({self.request_id}, {self.status.value}, computed={self.num_computed_tokens}/"

@@ -173,14 +173,17 @@ class SamplingRequest(OpenAIRequestModel):
     repetition_penalty: Optional[float] = documented(exclusiveMinimum=0)
     stop_token_ids: Optional[list[int]] = None
     allowed_token_ids: Optional[list[int]] = None
+    bad_words: Optional[list[str]] = None
     # Per prompt token its logprob and the top `prompt_logprobs` (vLLM's field; not with `stream`).
     prompt_logprobs: Optional[int] = documented(minimum=0)
     include_stop_str_in_output: Optional[bool] = False
     skip_special_tokens: Optional[bool] = True
     response_format: Optional[ResponseFormat] = None
     structured_outputs: Optional[StructuredOutputsRequest] = None
-    # Workflow identity (the X-Workflow-Id header takes precedence over the body).
+    # Workflow identity: the X-Workflow-Id header, else `workflow_id`, else vLLM's `session_id`
+    # ("stable session identity shared by related requests"), else OpenAI's `user`.
     workflow_id: Optional[Union[str, int]] = None
+    session_id: Optional[str] = None
     is_last_step: Optional[bool] = False
 
     @property
@@ -245,6 +248,7 @@ class SamplingRequest(OpenAIRequestModel):
             structured_outputs=self.structured_outputs_params(),
             logit_bias={int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None,
             allowed_token_ids=list(self.allowed_token_ids) if self.allowed_token_ids is not None else None,
+            bad_words=list(self.bad_words or []),
         )
 
 
@@ -466,6 +470,7 @@ class ResponsesRequest(OpenAIRequestModel):
     top_logprobs: Optional[int] = None
     max_tool_calls: Optional[int] = documented(minimum=1)
     workflow_id: Optional[Union[str, int]] = None
+    session_id: Optional[str] = None
     is_last_step: Optional[bool] = False
 
 

@@ -309,6 +309,8 @@ class OpenAIServing:
             if request.stream:
                 raise APIError(400, "prompt_logprobs is not available with stream", param="prompt_logprobs")
             self.check_logprobs(request.prompt_logprobs, "prompt_logprobs")
+        if any(not w.strip() for w in request.bad_words or ()):
+            raise APIError(400, "bad_words must be non-empty strings", param="bad_words")
         for name in REMOVED_GUIDED_FIELDS:
             if (request.model_extra or {}).get(name) is not None:
                 raise APIError(400, f"{name} is not supported; vLLM replaced the guided_* fields with "
@@ -421,7 +423,9 @@ class OpenAIServing:
     def workflow_info(request: SamplingRequest, raw_request: Request) -> WorkflowInfo:
         workflow_id: Optional[Union[str, int]] = raw_request.headers.get(WORKFLOW_HEADER)
         if not workflow_id:
-            workflow_id = request.workflow_id if request.workflow_id is not None else request.user
+            for workflow_id in (request.workflow_id, request.session_id, request.user):
+                if workflow_id not in (None, ""):
+                    break
         return WorkflowInfo(
             workflow_id=str(workflow_id) if workflow_id not in (None, "") else None,
             is_last_step=bool(request.is_last_step),
