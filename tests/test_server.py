@@ -220,6 +220,29 @@ def test_bad_words(client: openai.OpenAI, model: str) -> None:
     assert text and "Paris" not in text, text
 
 
+def test_truncate_prompt_tokens(client: openai.OpenAI, model: str) -> None:
+    """vLLM's truncate_prompt_tokens: the call runs on the last k prompt tokens (the first k with
+    truncation_side "right"; -1: as many as leave room for one output token), as if sent alone."""
+    from sluice.model.default import ensure_default_model
+    from sluice.model.loader import load_tokenizer
+
+    ids = load_tokenizer(ensure_default_model()).encode(LONG_PROMPT)
+    greedy = {"max_tokens": 6, "temperature": 0}
+    for side, kept in ((None, ids[-20:]), ("left", ids[-20:]), ("right", ids[:20])):
+        body = {"truncate_prompt_tokens": 20, **({"truncation_side": side} if side else {})}
+        cut = client.completions.create(model=model, prompt=LONG_PROMPT, echo=True, extra_body=body, **greedy)
+        alone = client.completions.create(model=model, prompt=kept, **greedy)
+        assert cut.usage.prompt_tokens == 20 and cut.choices[0].text.endswith(alone.choices[0].text)
+        assert cut.choices[0].text == client.completions.create(model=model, prompt=kept, echo=True, **greedy).choices[0].text
+    short = client.completions.create(model=model, prompt=ids[:5], extra_body={"truncate_prompt_tokens": 20}, **greedy)
+    assert short.usage.prompt_tokens == 5
+    whole = client.completions.create(model=model, prompt=[42] * 2100, max_tokens=None,
+                                      extra_body={"truncate_prompt_tokens": -1})
+    assert whole.usage.prompt_tokens == 2047 and whole.usage.completion_tokens == 1
+    chat = client.chat.completions.create(model=model, messages=MESSAGES, extra_body={"truncate_prompt_tokens": 7}, **greedy)
+    assert chat.usage.prompt_tokens == 7
+
+
 def test_chat_logprobs(client: openai.OpenAI, model: str) -> None:
     resp = client.chat.completions.create(
         model=model, messages=MESSAGES, max_tokens=5, logprobs=True, top_logprobs=3, temperature=0

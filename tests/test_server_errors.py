@@ -68,6 +68,7 @@ BAD_CHAT = {
     "stream_wrong_type": (chat(stream="sometimes"), "stream"),
     "max_tokens_zero": (chat(max_tokens=0), "max_tokens"),
     "prompt_logprobs_with_stream": (chat(prompt_logprobs=0, stream=True), "prompt_logprobs"),
+    "truncate_prompt_tokens_zero": (chat(truncate_prompt_tokens=0), "messages"),
     "max_tokens_negative": (chat(max_tokens=-5), "max_tokens"),
     "max_completion_tokens_zero": (chat(max_completion_tokens=0), "max_tokens"),
     "max_tokens_beyond_context": (chat(max_tokens=2048), "max_tokens"),
@@ -123,6 +124,10 @@ BAD_COMPLETION = {
     "max_tokens_zero_without_echo": (completion(max_tokens=0), "max_tokens"),
     "prompt_logprobs_above_bound": (completion(prompt_logprobs=21), "prompt_logprobs"),
     "prompt_logprobs_negative": (completion(prompt_logprobs=-1), "prompt_logprobs"),
+    "truncate_prompt_tokens_beyond_context": (completion(truncate_prompt_tokens=2049), "truncate_prompt_tokens"),
+    "truncate_prompt_tokens_below_minus_one": (completion(truncate_prompt_tokens=-2), "truncate_prompt_tokens"),
+    "truncation_side_unknown": (completion(truncate_prompt_tokens=3, truncation_side="middle"), "truncation_side"),
+    "truncate_prompt_tokens_zero": (completion(truncate_prompt_tokens=0), "prompt"),
     "prompt_logprobs_with_stream": (completion(prompt_logprobs=1, stream=True), "prompt_logprobs"),
 }
 

@@ -174,6 +174,10 @@ class SamplingRequest(OpenAIRequestModel):
     stop_token_ids: Optional[list[int]] = None
     allowed_token_ids: Optional[list[int]] = None
     bad_words: Optional[list[str]] = None
+    # vLLM's prompt truncation: keep this many prompt tokens (-1: as many as the context allows,
+    # leaving one for output), the last ones unless `truncation_side` is "right".
+    truncate_prompt_tokens: Optional[int] = Field(None, ge=-1, le=_INT64_MAX)
+    truncation_side: Optional[Literal["left", "right"]] = None
     # Per prompt token its logprob and the top `prompt_logprobs` (vLLM's field; not with `stream`).
     prompt_logprobs: Optional[int] = documented(minimum=0)
     include_stop_str_in_output: Optional[bool] = False

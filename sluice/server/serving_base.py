@@ -309,6 +309,9 @@ class OpenAIServing:
             if request.stream:
                 raise APIError(400, "prompt_logprobs is not available with stream", param="prompt_logprobs")
             self.check_logprobs(request.prompt_logprobs, "prompt_logprobs")
+        if request.truncate_prompt_tokens is not None and request.truncate_prompt_tokens > self.max_model_len:
+            raise APIError(400, f"truncate_prompt_tokens is {request.truncate_prompt_tokens}, more than this model's "
+                           f"context of {self.max_model_len} tokens", param="truncate_prompt_tokens")
         if any(not w.strip() for w in request.bad_words or ()):
             raise APIError(400, "bad_words must be non-empty strings", param="bad_words")
         for name in REMOVED_GUIDED_FIELDS:
@@ -358,6 +361,18 @@ class OpenAIServing:
         if continue_final:
             text = _open_final_message(text, request.messages[-1].text)
         return self.tokenizer.encode(text, add_special_tokens=bool(request.add_special_tokens))
+
+    def truncate_prompt(self, request: SamplingRequest, prompt_ids: list[int]) -> list[int]:
+        """The prompt cut to `truncate_prompt_tokens` (vLLM's: the last ones, or with `truncation_side`
+        "right" the first; -1 keeps as many as leave one token of the context for output)."""
+        keep = request.truncate_prompt_tokens
+        if keep is None:
+            return prompt_ids
+        if keep < 0:
+            keep = self.max_model_len - 1
+        if keep >= len(prompt_ids):
+            return prompt_ids
+        return prompt_ids[:keep] if request.truncation_side == "right" else prompt_ids[len(prompt_ids) - keep:]
 
     def check_logprobs(self, num: Optional[int], param: str) -> None:
         if num is not None and not 0 <= num <= self.server_config.max_logprobs:

@@ -64,7 +64,7 @@ class OpenAIServingChat(OpenAIServing):
         self.check_request(request)
         num_logprobs = self._num_logprobs(request)
         parse_tools, forced = self._tool_choice(request)
-        prompt_ids = self.render_chat(request)
+        prompt_ids = self.truncate_prompt(request, self.render_chat(request))
         self.check_prompt_ids(prompt_ids, "messages")
         params = self.sampling_params(request, len(prompt_ids), num_logprobs, prompt_param="messages")
         if forced is not None:

@@ -96,9 +96,10 @@ class OpenAIServingCompletion(OpenAIServing):
         for prompt in request.prompts:
             if isinstance(prompt, str):
                 ids = self.tokenizer.encode(prompt, add_special_tokens=request.add_special_tokens is not False)
-                prompts.append(_Prompt(ids, prompt))
+                kept = self.truncate_prompt(request, ids)
+                prompts.append(_Prompt(kept, prompt if len(kept) == len(ids) else None))   # echo: what ran
             else:
-                prompts.append(_Prompt(list(prompt), None))
+                prompts.append(_Prompt(self.truncate_prompt(request, list(prompt)), None))
             self.check_prompt_ids(prompts[-1].token_ids, "prompt")
         return prompts
 

@@ -364,7 +364,7 @@ class OpenAIServingResponses(OpenAIServingChat):
             chat = parse_request(ChatCompletionRequest, self._chat_body(request, system + history + new_messages))
             self.check_request(chat)
             parse_tools, forced = self._tool_choice(chat)
-            prompt_ids = self.render_chat(chat)
+            prompt_ids = self.truncate_prompt(chat, self.render_chat(chat))
             self.check_prompt_ids(prompt_ids, "input")
             params = self.sampling_params(chat, len(prompt_ids), None, prompt_param="input")
             if forced is not None:
