@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
 _MAX_LOGPROBS = 20
+MAX_CACHE_SALT_CHARS = 1024   # vLLM's OpenAI schema bound
 
 
 @dataclass(frozen=True)
@@ -143,6 +144,10 @@ class SamplingParams:
     # Words the output must not contain (vLLM's field; the engine bans their token sequences, as
     # vLLM does: sluice/engine/bad_words.py).
     bad_words: list[str] = field(default_factory=list)
+    # vLLM's `cache_salt`: the request's KV is shared through the prefix cache (and a workflow's
+    # retention) only with requests of the same salt, so a tenant cannot learn from cache hits
+    # what another sent. Salting starts the chain of block hashes (block_pool.salted_root).
+    cache_salt: Optional[str] = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -187,6 +192,9 @@ class SamplingParams:
         if self.allowed_token_ids is not None:
             if not self.allowed_token_ids or any(not isinstance(t, int) or t < 0 for t in self.allowed_token_ids):
                 raise ValueError("allowed_token_ids must be a non-empty list of token ids")
+        if self.cache_salt is not None and (not isinstance(self.cache_salt, str)
+                                            or not 1 <= len(self.cache_salt) <= MAX_CACHE_SALT_CHARS):
+            raise ValueError(f"cache_salt must be a string of 1 to {MAX_CACHE_SALT_CHARS} characters")
         if any(not isinstance(w, str) or not w.strip() for w in self.bad_words):
             raise ValueError("bad_words must be non-empty strings")
         if self.logprobs is not None and not 0 <= self.logprobs <= _MAX_LOGPROBS:

@@ -118,6 +118,19 @@ def test_prefix_cache_reports_cached_tokens(client: openai.OpenAI, model: str) -
     assert 0 < details.cached_tokens <= second.usage.prompt_tokens
 
 
+def test_cache_salt_keeps_prefix_cache_hits_within_the_salt(client: openai.OpenAI, model: str) -> None:
+    """vLLM's cache_salt: a prompt cached under one salt is a hit for the same salt only."""
+    prompt = f"[{uuid.uuid4().hex}] " + LONG_PROMPT
+
+    def cached(salt=None) -> int:
+        usage = client.completions.create(model=model, prompt=prompt, max_tokens=1,
+                                          extra_body={"cache_salt": salt} if salt else None).usage
+        return usage.prompt_tokens_details.cached_tokens or 0
+
+    assert cached("tenant-a") == 0 and cached("tenant-a") > 256
+    assert cached("tenant-b") == 0 and cached() == 0 and cached() > 256
+
+
 def test_agent_follow_up_reuses_the_kv_of_its_own_reply(client: openai.OpenAI, model: str) -> None:
     """An agent sends its next call with the model's reply appended (then a tool result): the KV
     computed while decoding that reply must serve the next prompt, up to the last full block

@@ -322,6 +322,31 @@ def test_finished_call_retains_its_partly_filled_last_block():
     assert_all_released(s)
 
 
+def test_cache_salt_shares_kv_only_within_its_salt():
+    """vLLM's cache_salt: the prefix cache and a workflow's retained KV (its tail block too) serve
+    a call only when its salt is the one they were computed under; no salt is a salt of its own."""
+    s = create_scheduler(block_size=16, num_blocks=40)
+    prompt = unique_prompt(40)
+    cached = {}
+    for i, salt in enumerate(["a", "a", "b", None, None, "b"]):
+        call = create_request(s, f"c{i}", prompt, max_tokens=1, cache_salt=salt)
+        drain(s)
+        cached[i] = call.num_cached_tokens
+    assert cached == {0: 0, 1: 32, 2: 0, 3: 0, 4: 32, 5: 32}
+    assert_all_released(s)
+
+    for salt, expected in (("other", 0), ("tenant", 45)):
+        call1 = create_request(s, f"w-{salt}-1", 40, max_tokens=6, workflow_id=f"w-{salt}", cache_salt="tenant")
+        drain(s)
+        assert call1.num_computed_tokens == 45 and s.workflows.workflows[f"w-{salt}"].retention.tail_tokens
+        call2 = create_request(s, f"w-{salt}-2", call1.all_token_ids + unique_prompt(10), max_tokens=2,
+                               workflow_id=f"w-{salt}", is_last_step=True, cache_salt=salt)
+        run_step(s)
+        assert call2.num_cached_tokens == expected, salt
+        drain(s)
+    assert_all_released(s)
+
+
 def test_a_call_continuing_part_of_the_tail_takes_it_and_overwrites_the_rest():
     s = create_scheduler(block_size=16, num_blocks=20)
     call1 = tail_call(s)

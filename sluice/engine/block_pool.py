@@ -32,6 +32,14 @@ def hash_block(parent: Optional[bytes], token_ids: tuple[int, ...]) -> tuple[byt
     return digest, digest
 
 
+def salted_root(salt: Optional[str]) -> Optional[bytes]:
+    """The parent digest a request's first block chains on: none, or one derived from its
+    `cache_salt`, so requests of different salts (or one salted, one not) share no block hash."""
+    if salt is None:
+        return None
+    return hashlib.blake2b(b"sluice-cache-salt\0" + salt.encode("utf-8", "surrogatepass"), digest_size=16).digest()
+
+
 @dataclass
 class Block:
     block_id: int

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from sluice.engine.block_pool import Block, BlockPool, hash_block
+from sluice.engine.block_pool import Block, BlockPool, hash_block, salted_root
 from sluice.engine.request import Request
 
 
@@ -21,7 +21,7 @@ class KVCacheManager:
         """Extend req.block_hashes to cover every full block of its known tokens."""
         bs = self.block_size
         hashes = req.block_hashes
-        parent = hashes[-1][0] if hashes else None
+        parent = hashes[-1][0] if hashes else salted_root(req.params.cache_salt)
         for i in range(len(hashes), req.num_tokens // bs):
             value, key = hash_block(parent, tuple(req.all_token_ids[i * bs:(i + 1) * bs]))
             hashes.append((value, key))

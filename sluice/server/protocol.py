@@ -19,7 +19,7 @@ from pydantic import (
     model_serializer,
 )
 
-from sluice.sampling_params import SamplingParams, StructuredOutputsParams
+from sluice.sampling_params import MAX_CACHE_SALT_CHARS, SamplingParams, StructuredOutputsParams
 
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
@@ -178,6 +178,8 @@ class SamplingRequest(OpenAIRequestModel):
     # leaving one for output), the last ones unless `truncation_side` is "right".
     truncate_prompt_tokens: Optional[int] = Field(None, ge=-1, le=_INT64_MAX)
     truncation_side: Optional[Literal["left", "right"]] = None
+    # vLLM's: KV is shared through the prefix cache only among calls of the same salt.
+    cache_salt: Optional[str] = Field(None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
     # Per prompt token its logprob and the top `prompt_logprobs` (vLLM's field; not with `stream`).
     prompt_logprobs: Optional[int] = documented(minimum=0)
     include_stop_str_in_output: Optional[bool] = False
@@ -253,6 +255,7 @@ class SamplingRequest(OpenAIRequestModel):
             logit_bias={int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None,
             allowed_token_ids=list(self.allowed_token_ids) if self.allowed_token_ids is not None else None,
             bad_words=list(self.bad_words or []),
+            cache_salt=self.cache_salt,
         )
 
 
