@@ -256,6 +256,42 @@ def test_truncate_prompt_tokens(client: openai.OpenAI, model: str) -> None:
     assert chat.usage.prompt_tokens == 7
 
 
+def test_return_token_ids(server: RemoteServer, client: openai.OpenAI, model: str) -> None:
+    """vLLM's return_token_ids: the prompt's ids (what /tokenize gives for the same request) and
+    each choice's generated ids, whole or streamed chunk by chunk; absent unless asked for. With
+    return_tokens_as_token_ids, logprobs name tokens "token_id:<id>"."""
+    extra = {"return_token_ids": True, "return_tokens_as_token_ids": True}
+    greedy = {"max_tokens": 12, "temperature": 0}
+    prompt_ids = post(server, "/tokenize", {"messages": MESSAGES})["tokens"]
+    whole = client.chat.completions.create(model=model, messages=MESSAGES, logprobs=True, top_logprobs=2,
+                                           extra_body=extra, **greedy)
+    ids = whole.choices[0].model_extra["token_ids"]
+    assert whole.model_extra["prompt_token_ids"] == prompt_ids and len(ids) == whole.usage.completion_tokens
+    assert [c.token for c in whole.choices[0].logprobs.content] == [f"token_id:{t}" for t in ids]
+    assert all(t.token.startswith("token_id:") for c in whole.choices[0].logprobs.content for t in c.top_logprobs)
+    chunks = list(client.chat.completions.create(model=model, messages=MESSAGES, stream=True, extra_body=extra, **greedy))
+    assert chunks[0].model_extra["prompt_token_ids"] == prompt_ids
+    assert all("prompt_token_ids" not in c.model_extra for c in chunks[1:])
+    assert [t for c in chunks for ch in c.choices for t in ch.model_extra.get("token_ids") or []] == ids
+    assert "".join(ch.delta.content or "" for c in chunks for ch in c.choices) == whole.choices[0].message.content
+
+    comp_ids = post(server, "/tokenize", {"prompt": PROMPT})["tokens"]
+    comp = client.completions.create(model=model, prompt=PROMPT, n=2, seed=3, extra_body=extra, max_tokens=8)
+    for choice in comp.choices:
+        assert choice.model_extra["prompt_token_ids"] == comp_ids and len(choice.model_extra["token_ids"]) == 8
+    streamed = list(client.completions.create(model=model, prompt=PROMPT, stream=True, logprobs=1,
+                                              extra_body=extra, **greedy))
+    firsts = [c.choices[0].model_extra.get("prompt_token_ids") for c in streamed if c.choices]
+    assert firsts[0] == comp_ids and not any(firsts[1:])
+    got = [t for c in streamed if c.choices for t in c.choices[0].model_extra.get("token_ids") or []]
+    plain = client.completions.create(model=model, prompt=PROMPT, logprobs=1, **greedy).choices[0]
+    assert [int(t.removeprefix("token_id:")) for c in streamed if c.choices and c.choices[0].logprobs
+            for t in c.choices[0].logprobs.tokens] == got
+    assert len(got) == len(plain.logprobs.tokens) and "".join(c.choices[0].text for c in streamed if c.choices) == plain.text
+    raw = httpx.post(server.base_url + "/chat/completions", json={"model": model, "messages": MESSAGES, "max_tokens": 2}).json()
+    assert "prompt_token_ids" not in raw and "token_ids" not in raw["choices"][0]
+
+
 def test_chat_logprobs(client: openai.OpenAI, model: str) -> None:
     resp = client.chat.completions.create(
         model=model, messages=MESSAGES, max_tokens=5, logprobs=True, top_logprobs=3, temperature=0

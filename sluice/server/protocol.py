@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal, Optional, Union
+from typing import Any, ClassVar, Literal, Optional, Union
 
 from pydantic import (
     BaseModel,
@@ -178,6 +178,10 @@ class SamplingRequest(OpenAIRequestModel):
     # leaving one for output), the last ones unless `truncation_side` is "right".
     truncate_prompt_tokens: Optional[int] = Field(None, ge=-1, le=_INT64_MAX)
     truncation_side: Optional[Literal["left", "right"]] = None
+    # vLLM's: the prompt's and each choice's token ids in the response (streamed: the prompt's in
+    # the first chunk, then each chunk's new ids); logprob tokens as "token_id:<id>".
+    return_token_ids: Optional[bool] = None
+    return_tokens_as_token_ids: Optional[bool] = None
     # vLLM's: KV is shared through the prefix cache only among calls of the same salt.
     cache_salt: Optional[str] = Field(None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
     # Per prompt token its logprob and the top `prompt_logprobs` (vLLM's field; not with `stream`).
@@ -537,12 +541,28 @@ class ChatResponseMessage(BaseModel):
     tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
-class ChatCompletionChoice(BaseModel):
+class _TokenIdFields(BaseModel):
+    """A response part with vLLM's `token_ids` / `prompt_token_ids`, which appear only when the
+    request asked for them (`return_token_ids`); the OpenAI fields beside them keep their nulls."""
+
+    _OMIT_IF_NONE: ClassVar[tuple[str, ...]] = ("token_ids", "prompt_token_ids")
+
+    @model_serializer(mode="wrap")
+    def _omit_unasked(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        out = handler(self)
+        for name in self._OMIT_IF_NONE:
+            if name in out and out[name] is None:
+                del out[name]
+        return out
+
+
+class ChatCompletionChoice(_TokenIdFields):
     index: int
     message: ChatResponseMessage
     logprobs: Optional[ChatLogprobs] = None
     finish_reason: Optional[str] = None
     stop_reason: Optional[Union[int, str]] = None
+    token_ids: Optional[list[int]] = None
 
 
 class PromptLogprob(BaseModel):
@@ -557,7 +577,7 @@ class PromptLogprob(BaseModel):
 PromptLogprobs = list[Optional[dict[int, PromptLogprob]]]
 
 
-class ChatCompletionResponse(BaseModel):
+class ChatCompletionResponse(_TokenIdFields):
     id: str
     object: Literal["chat.completion"] = "chat.completion"
     created: int = Field(default_factory=now_s)
@@ -565,6 +585,7 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatCompletionChoice]
     usage: UsageInfo
     prompt_logprobs: Optional[PromptLogprobs] = None
+    prompt_token_ids: Optional[list[int]] = None
 
 
 class _DropNone(BaseModel):
@@ -598,21 +619,23 @@ class DeltaMessage(_DropNone):
     tool_calls: Optional[list[DeltaToolCall]] = None
 
 
-class ChatCompletionStreamChoice(BaseModel):
+class ChatCompletionStreamChoice(_TokenIdFields):
     index: int
     delta: DeltaMessage
     logprobs: Optional[ChatLogprobs] = None
     finish_reason: Optional[str] = None
     stop_reason: Optional[Union[int, str]] = None
+    token_ids: Optional[list[int]] = None
 
 
-class ChatCompletionStreamResponse(BaseModel):
+class ChatCompletionStreamResponse(_TokenIdFields):
     id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     created: int = Field(default_factory=now_s)
     model: str
     choices: list[ChatCompletionStreamChoice]
     usage: Optional[UsageInfo] = None
+    prompt_token_ids: Optional[list[int]] = None
 
 
 class CompletionLogprobs(BaseModel):
@@ -622,12 +645,14 @@ class CompletionLogprobs(BaseModel):
     top_logprobs: list[Optional[dict[str, float]]] = Field(default_factory=list)
 
 
-class CompletionChoice(BaseModel):
+class CompletionChoice(_TokenIdFields):
     index: int
     text: str
     logprobs: Optional[CompletionLogprobs] = None
     finish_reason: Optional[str] = None
     stop_reason: Optional[Union[int, str]] = None
+    prompt_token_ids: Optional[list[int]] = None   # (vLLM puts the prompt's ids in the choice)
+    token_ids: Optional[list[int]] = None
 
 
 class CompletionResponseChoice(CompletionChoice):

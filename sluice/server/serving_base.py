@@ -469,6 +469,11 @@ class OpenAIServing:
             self._token_text[token_id] = text
         return text
 
+    def token_label(self, token_id: int, as_id: bool) -> str:
+        """How a logprob names a token: its text, or vLLM's "token_id:<id>" (return_tokens_as_token_ids),
+        which names tokens whose bytes are not text of their own."""
+        return f"token_id:{token_id}" if as_id else self.token_text(token_id)
+
     @staticmethod
     def top_logprobs(entry: dict[int, Logprob], k: int) -> list[Logprob]:
         return sorted(entry.values(), key=lambda lp: lp.logprob, reverse=True)[:k]

@@ -83,10 +83,10 @@ class OpenAIServingChat(OpenAIServing):
         )
         if request.stream:
             streams.stop_watching()
-            stream = self._stream(request, request_id, len(prompt_ids), params.n, num_logprobs, streams,
+            stream = self._stream(request, request_id, prompt_ids, params.n, num_logprobs, streams,
                                   parse_tools)
             return SSEResponse(stream, on_close=streams.close)
-        response = await self._collect(request, request_id, len(prompt_ids), num_logprobs, streams,
+        response = await self._collect(request, request_id, prompt_ids, num_logprobs, streams,
                                        parse_tools)
         return Response(response.model_dump_json(), media_type="application/json")
 
@@ -133,9 +133,10 @@ class OpenAIServingChat(OpenAIServing):
         return RequiredCallsStream, StructuredOutputsParams(json=schema)
 
     async def _collect(
-        self, request: ChatCompletionRequest, request_id: str, prompt_len: int,
+        self, request: ChatCompletionRequest, request_id: str, prompt_ids: list[int],
         num_logprobs: Optional[int], streams: GenerationStreams, parse_tools: Optional[Callable[[], Any]],
     ) -> ChatCompletionResponse:
+        ids = bool(request.return_token_ids)
         latest: dict[int, CompletionOutput] = {}
         cached_tokens, prompt_logprobs = 0, None
         async for _, output in streams:
@@ -150,7 +151,8 @@ class OpenAIServingChat(OpenAIServing):
             sample = latest[index]
             logprobs = None
             if num_logprobs is not None:
-                logprobs = self._chat_logprobs(list(zip(sample.token_ids, sample.logprobs or [])), num_logprobs)
+                logprobs = self._chat_logprobs(list(zip(sample.token_ids, sample.logprobs or [])), num_logprobs,
+                                               bool(request.return_tokens_as_token_ids))
             content, calls, parsed = sample.text, [], False
             if parse_tools is not None:
                 parser = parse_tools()
@@ -165,31 +167,44 @@ class OpenAIServingChat(OpenAIServing):
                 logprobs=logprobs,
                 finish_reason=_finish_reason(sample.finish_reason, parsed),
                 stop_reason=sample.stop_reason,
+                token_ids=list(sample.token_ids) if ids else None,
             ))
         completion_tokens = sum(len(s.token_ids) for s in latest.values())
         return ChatCompletionResponse(
             id=request_id,
             model=self.model_name,
             choices=choices,
-            usage=UsageInfo.of(prompt_len, completion_tokens, cached_tokens),
+            usage=UsageInfo.of(len(prompt_ids), completion_tokens, cached_tokens),
             prompt_logprobs=prompt_logprobs,
+            prompt_token_ids=list(prompt_ids) if ids else None,
         )
 
     async def _stream(
         self,
         request: ChatCompletionRequest,
         request_id: str,
-        prompt_len: int,
+        prompt_ids: list[int],
         n: int,
         num_logprobs: Optional[int],
         streams: GenerationStreams,
         parse_tools: Optional[Callable[[], Any]] = None,
     ) -> AsyncIterator[str]:
         created = now_s()
+        prompt_len = len(prompt_ids)
+        # return_token_ids: the prompt's ids ride on the first chunk, and each choice's new ids on
+        # its next chunk (text the tool parser holds back leaves them pending until it is sent).
+        ids = bool(request.return_token_ids)
+        pending_ids: dict[int, list[int]] = {}
+        as_ids = bool(request.return_tokens_as_token_ids)
 
-        def chunk(choices: list[ChatCompletionStreamChoice], usage: Optional[UsageInfo] = None) -> str:
+        def chunk(choices: list[ChatCompletionStreamChoice], usage: Optional[UsageInfo] = None,
+                  first: bool = False) -> str:
+            if ids:
+                for c in choices:
+                    c.token_ids = pending_ids.pop(c.index, None) if c.index in pending_ids else c.token_ids
             return sse_event(ChatCompletionStreamResponse(
                 id=request_id, created=created, model=self.model_name, choices=choices, usage=usage,
+                prompt_token_ids=list(prompt_ids) if ids and first else None,
             ))
 
         latest: dict[int, CompletionOutput] = {}
@@ -201,12 +216,16 @@ class OpenAIServingChat(OpenAIServing):
         cached_tokens = 0
         try:
             for index in range(n):
-                yield chunk([ChatCompletionStreamChoice(index=index, delta=DeltaMessage(role="assistant", content=""))])
+                yield chunk([ChatCompletionStreamChoice(index=index, delta=DeltaMessage(role="assistant", content=""))],
+                            first=index == 0)
             async for _, output in streams:
                 for sample in output.outputs:
                     latest[sample.index] = sample
                     if sample.index in finished:
                         continue
+                    if ids and sample.num_new_tokens:
+                        new = sample.token_ids[len(sample.token_ids) - sample.num_new_tokens:]
+                        pending_ids.setdefault(sample.index, []).extend(new)
                     done = bool(sample.finish_reason) and sample.finish_reason != "error"
                     # What this output adds, in order: content strings and (when parsing tool
                     # calls) whole calls; text that may open a <tool_call> is held back.
@@ -219,7 +238,7 @@ class OpenAIServingChat(OpenAIServing):
                     new_logprobs = self.new_logprobs(sample) if num_logprobs is not None else []
                     if new_logprobs:
                         text = events.pop(0) if events and isinstance(events[0], str) else ""
-                        logprobs = self._chat_logprobs(new_logprobs, num_logprobs)
+                        logprobs = self._chat_logprobs(new_logprobs, num_logprobs, as_ids)
                         yield chunk([ChatCompletionStreamChoice(
                             index=sample.index, delta=DeltaMessage(content=text), logprobs=logprobs,
                         )])
@@ -243,6 +262,9 @@ class OpenAIServingChat(OpenAIServing):
                                 tool_calls=[DeltaToolCall(index=k, id=tool_call_id(), type="function", function=DeltaFunctionCall(
                                     name=event.name, arguments=event.arguments))]))])
                             continue
+                        if ids:      # each chunk's ids differ: no shared template
+                            yield chunk([ChatCompletionStreamChoice(index=sample.index, delta=DeltaMessage(content=event))])
+                            continue
                         if sample.index not in text_chunk:
                             text_chunk[sample.index] = TextChunkTemplate(
                                 lambda t, i=sample.index: chunk([ChatCompletionStreamChoice(
@@ -265,21 +287,22 @@ class OpenAIServingChat(OpenAIServing):
             yield sse_event(api_error_from(e).to_body())
         yield SSE_DONE
 
-    def _chat_logprobs(self, tokens: list[tuple[int, dict[int, Logprob]]], num_top: int) -> ChatLogprobs:
+    def _chat_logprobs(self, tokens: list[tuple[int, dict[int, Logprob]]], num_top: int,
+                       as_ids: bool = False) -> ChatLogprobs:
         content = []
         for token_id, entry in tokens:
             chosen = entry.get(token_id)
-            text = self.token_text(token_id)
+            text = self.token_label(token_id, as_ids)
             content.append(ChatTokenLogprob(
                 token=text,
                 logprob=chosen.logprob if chosen is not None else MIN_LOGPROB,
                 bytes=list(text.encode()),
-                top_logprobs=[self._top_logprob(lp) for lp in self.top_logprobs(entry, num_top)],
+                top_logprobs=[self._top_logprob(lp, as_ids) for lp in self.top_logprobs(entry, num_top)],
             ))
         return ChatLogprobs(content=content)
 
-    def _top_logprob(self, logprob: Logprob) -> TopLogprob:
-        text = self.token_text(logprob.token_id)
+    def _top_logprob(self, logprob: Logprob, as_ids: bool = False) -> TopLogprob:
+        text = self.token_label(logprob.token_id, as_ids)
         return TopLogprob(token=text, logprob=logprob.logprob, bytes=list(text.encode()))
 
 

@@ -136,7 +136,9 @@ class OpenAIServingCompletion(OpenAIServing):
             if request.logprobs is not None:
                 tokens = self._echo_logprobs(request, output) + (
                     [] if echo_only else list(zip(sample.token_ids, sample.logprobs or [])))
-                logprobs, _ = self._completion_logprobs(tokens, request.logprobs, 0)
+                logprobs, _ = self._completion_logprobs(tokens, request.logprobs, 0,
+                                                        bool(request.return_tokens_as_token_ids))
+            ids = bool(request.return_token_ids)
             choices.append(CompletionResponseChoice(
                 index=index,
                 text=self._echo_text(request, prompts[index // n]) + ("" if echo_only else sample.text),
@@ -144,6 +146,8 @@ class OpenAIServingCompletion(OpenAIServing):
                 finish_reason="length" if echo_only else sample.finish_reason,
                 stop_reason=None if echo_only else sample.stop_reason,
                 prompt_logprobs=self.prompt_logprobs_out(output) if request.prompt_logprobs is not None else None,
+                prompt_token_ids=list(prompts[index // n].token_ids) if ids else None,
+                token_ids=([] if echo_only else list(sample.token_ids)) if ids else None,
             ))
         return CompletionResponse(
             id=request_id,
@@ -173,6 +177,11 @@ class OpenAIServingCompletion(OpenAIServing):
         text_chunk: dict[int, TextChunkTemplate] = {}   # per choice: its text-only chunk
         cached_tokens = 0
         echo_only = self._echo_only(request)
+        # return_token_ids: a choice's first chunk carries its prompt's ids, and every chunk the
+        # ids generated since the choice's previous chunk.
+        ids = bool(request.return_token_ids)
+        pending_ids: dict[int, list[int]] = {}
+        as_ids = bool(request.return_tokens_as_token_ids)
         try:
             async for call_index, output in streams:
                 for sample in output.outputs:
@@ -181,21 +190,32 @@ class OpenAIServingCompletion(OpenAIServing):
                     if index in finished:
                         continue
                     text, echoed = ("", []) if echo_only else (sample.text_delta, self.new_logprobs(sample))
-                    if index not in text_offsets:
+                    first = index not in text_offsets
+                    if first:
                         text = self._echo_text(request, prompts[call_index]) + text
                         echoed = self._echo_logprobs(request, output) + echoed
                         text_offsets[index] = 0
+                    if ids and sample.num_new_tokens and not echo_only:
+                        new = sample.token_ids[len(sample.token_ids) - sample.num_new_tokens:]
+                        pending_ids.setdefault(index, []).extend(new)
                     logprobs = None
                     if request.logprobs is not None and echoed:
                         logprobs, text_offsets[index] = self._completion_logprobs(
-                            echoed, request.logprobs, text_offsets[index]
+                            echoed, request.logprobs, text_offsets[index], as_ids
                         )
                     finish_reason = sample.finish_reason if sample.finish_reason != "error" else None
                     if echo_only and finish_reason:
                         finish_reason = "length"
                     if finish_reason:
                         finished.add(index)
-                    if text and not logprobs and not finish_reason:
+                    if ids and (text or logprobs or finish_reason or first):
+                        yield chunk([CompletionChoice(
+                            index=index, text=text, logprobs=logprobs, finish_reason=finish_reason,
+                            stop_reason=sample.stop_reason if finish_reason and not echo_only else None,
+                            prompt_token_ids=list(prompts[call_index].token_ids) if first else None,
+                            token_ids=pending_ids.pop(index, []),
+                        )])
+                    elif text and not logprobs and not finish_reason:
                         if index not in text_chunk:
                             text_chunk[index] = TextChunkTemplate(
                                 lambda t, i=index: chunk([CompletionChoice(index=i, text=t)]))
@@ -227,14 +247,15 @@ class OpenAIServingCompletion(OpenAIServing):
         return list(zip(output.prompt_token_ids, output.prompt_logprobs))
 
     def _completion_logprobs(
-        self, tokens: list[tuple[int, Optional[dict[int, Logprob]]]], num_top: int, text_offset: int
+        self, tokens: list[tuple[int, Optional[dict[int, Logprob]]]], num_top: int, text_offset: int,
+        as_ids: bool = False,
     ) -> tuple[CompletionLogprobs, int]:
         """Logprobs of `tokens` in the completions format, and the text offset after them. A
         token without an entry (a prompt's first) has null for its logprob and its top ones."""
         result = CompletionLogprobs()
         for token_id, entry in tokens:
             text = self.token_text(token_id)
-            result.tokens.append(text)
+            result.tokens.append(self.token_label(token_id, as_ids))
             result.text_offset.append(text_offset)
             text_offset += len(text)
             if entry is None:
@@ -245,8 +266,8 @@ class OpenAIServingCompletion(OpenAIServing):
             result.token_logprobs.append(chosen.logprob if chosen is not None else MIN_LOGPROB)
             # OpenAI: "the API will always return the logprob of the sampled token, so there may
             # be up to logprobs+1 elements" (vLLM too: the token first, then the top ones).
-            top = {text: result.token_logprobs[-1]}
+            top = {result.tokens[-1]: result.token_logprobs[-1]}
             for lp in self.top_logprobs(entry, num_top):
-                top.setdefault(self.token_text(lp.token_id), lp.logprob)
+                top.setdefault(self.token_label(lp.token_id, as_ids), lp.logprob)
             result.top_logprobs.append(top)
         return result, text_offset
