@@ -1,5 +1,6 @@
 """Fuzzing a real `sluice serve` process: whatever arrives, the answer is a 2xx or an OpenAI-shaped
-4xx, never a 5xx or a hang, and the server is healthy and idle afterwards.
+4xx (Anthropic-shaped on its Messages API), never a 5xx or a hang, and the server is healthy and
+idle afterwards.
 
 Two generators: schemathesis, from the server's own OpenAPI schema (bodies that fit it and bodies
 that break it), and hypothesis over raw bytes (truncated JSON, invalid UTF-8, lone surrogates).
@@ -33,12 +34,16 @@ def server() -> Iterator[RemoteServer]:
         yield remote
 
 
-def assert_answered(status: int, content_type: str, text: str, what: Any) -> None:
+def assert_answered(status: int, content_type: str, text: str, what: Any, path: str = "") -> None:
     assert status < 500, f"{status} for {what!r}: {text[:500]}"
     if 400 <= status < 500:
         assert content_type.startswith("application/json"), (status, content_type, what)
-        error = json.loads(text)["error"]
-        assert set(error) == {"message", "type", "param", "code"} and error["message"], error
+        body = json.loads(text)
+        error = body["error"]
+        if path.startswith("/v1/messages"):       # Anthropic's Messages API answers in its own shape
+            assert body["type"] == "error" and set(error) == {"type", "message"} and error["message"], body
+        else:
+            assert set(error) == {"message", "type", "param", "code"} and error["message"], error
 
 
 def cap_output(case: Any) -> Any:
@@ -63,13 +68,14 @@ def test_schema_fuzz(server: RemoteServer) -> None:
     )
     seen: dict[int, int] = {}
 
-    @settings(FUZZ, max_examples=150)
+    @settings(FUZZ, max_examples=250)
     @given(cases)
     def fuzz(case: Any) -> None:
         response = case.call(base_url=server.url, timeout=60)
         seen[response.status_code] = seen.get(response.status_code, 0) + 1
         content_type = response.headers.get("content-type") or [""]  # schemathesis: header -> values
-        assert_answered(response.status_code, content_type[0], response.text, (case.method, case.path, case.body))
+        assert_answered(response.status_code, content_type[0], response.text, (case.method, case.path, case.body),
+                        case.path)
 
     fuzz()
     assert seen.get(200) and seen.get(400), seen  # both valid and invalid calls were made

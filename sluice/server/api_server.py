@@ -48,6 +48,7 @@ from sluice.server.protocol import (
 from sluice.server.serving_base import ClientDisconnected, api_error_from, parse_request, validation_error
 from sluice.server.serving_chat import OpenAIServingChat
 from sluice.server.serving_completion import OpenAIServingCompletion
+from sluice.server.serving_messages import AnthropicServingMessages, CountTokensRequest, MessagesRequest, anthropic_error_body
 from sluice.server.serving_responses import OpenAIServingResponses
 from sluice.server.serving_tokenize import OpenAIServingTokenization, tokenize_request_model
 
@@ -64,8 +65,14 @@ def served_model_name(model_path: str, server_config: ServerConfig) -> str:
     return path.stem if path.suffix == ".gguf" else path.name
 
 
-def error_response(error: APIError) -> JSONResponse:
+def error_response(error: APIError, raw_request: Optional[Request] = None) -> JSONResponse:
+    """The error in OpenAI's shape, or in Anthropic's for its Messages API (/v1/messages...)."""
+    if raw_request is not None and raw_request.url.path.startswith(MESSAGES_PATH):
+        return JSONResponse(anthropic_error_body(error), status_code=error.status_code, headers=error.headers)
     return JSONResponse(error.to_body().model_dump(), status_code=error.status_code, headers=error.headers)
+
+
+MESSAGES_PATH = "/v1/messages"
 
 
 async def read_json_body(raw_request: Request, max_bytes: int) -> Any:
@@ -110,9 +117,12 @@ def _bearer_auth(api_key: str) -> Callable[[Request], Awaitable[None]]:
 
     async def require_api_key(raw_request: Request) -> None:
         scheme, _, token = raw_request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), expected):
+        if scheme.lower() != "bearer":   # Anthropic's clients send the key as x-api-key
+            token = raw_request.headers.get("x-api-key", "")
+        if not hmac.compare_digest(token.strip().encode(), expected):
             raise APIError(
-                401, "invalid or missing API key; send 'Authorization: Bearer <key>'", code="invalid_api_key"
+                401, "invalid or missing API key; send 'Authorization: Bearer <key>' (or 'x-api-key: <key>')",
+                code="invalid_api_key"
             )
 
     return require_api_key
@@ -129,23 +139,23 @@ MAX_REQUEST_HEAD_BYTES = 12 * LOAD_PENDING_MAX_CHARS + 64 * 1024
 
 
 def _install_error_handlers(app: FastAPI) -> None:
-    async def on_api_error(_: Request, exc: Exception) -> Response:
-        return error_response(api_error_from(exc))
+    async def on_api_error(raw_request: Request, exc: Exception) -> Response:
+        return error_response(api_error_from(exc), raw_request)
 
-    async def on_validation_error(_: Request, exc: Exception) -> Response:
+    async def on_validation_error(raw_request: Request, exc: Exception) -> Response:
         assert isinstance(exc, RequestValidationError)
-        return error_response(validation_error(exc))
+        return error_response(validation_error(exc), raw_request)
 
-    async def on_http_error(_: Request, exc: Exception) -> Response:
+    async def on_http_error(raw_request: Request, exc: Exception) -> Response:
         assert isinstance(exc, StarletteHTTPException)
-        return error_response(APIError(exc.status_code, str(exc.detail), headers=dict(exc.headers or {})))
+        return error_response(APIError(exc.status_code, str(exc.detail), headers=dict(exc.headers or {})), raw_request)
 
     async def on_client_disconnected(_: Request, exc: Exception) -> Response:
         return Response(status_code=_CLIENT_CLOSED_REQUEST)
 
-    async def on_unexpected(_: Request, exc: Exception) -> Response:
+    async def on_unexpected(raw_request: Request, exc: Exception) -> Response:
         logger.exception("unhandled error", exc_info=exc)
-        return error_response(api_error_from(exc))
+        return error_response(api_error_from(exc), raw_request)
 
     app.add_exception_handler(APIError, on_api_error)
     app.add_exception_handler(EngineError, on_api_error)
@@ -168,6 +178,7 @@ def build_app(
     tokenization = OpenAIServingTokenization(engine, server_config, model_name, metrics)
     responses = OpenAIServingResponses(engine, server_config, model_name, metrics,
                                        store_size=server_config.responses_store_size)
+    messages = AnthropicServingMessages(engine, server_config, model_name, metrics)
     lifecycle = lifecycle or ServerLifecycle(engine, server_config.shutdown_timeout_s)
 
     @asynccontextmanager
@@ -217,6 +228,17 @@ def build_app(
         body = await read_json_body(raw_request, server_config.max_request_bytes)
         request = parse_request(ResponsesRequest, body)
         return await responses.create_response(request, raw_request)
+
+    @v1.post("/messages", openapi_extra=_json_body(MessagesRequest))
+    async def create_message(raw_request: Request) -> Response:
+        body = await read_json_body(raw_request, server_config.max_request_bytes)
+        request = parse_request(MessagesRequest, body)
+        return await messages.create_message(request, raw_request)
+
+    @v1.post("/messages/count_tokens", openapi_extra=_json_body(CountTokensRequest))
+    async def count_message_tokens(raw_request: Request) -> Response:
+        body = await read_json_body(raw_request, server_config.max_request_bytes)
+        return JSONResponse(await messages.count_tokens(parse_request(CountTokensRequest, body)))
 
     @v1.get("/responses/{response_id}")
     async def retrieve_response(response_id: str) -> Response:

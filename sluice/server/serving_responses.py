@@ -48,7 +48,7 @@ from sluice.server.serving_base import (
     raise_if_failed,
 )
 from sluice.server.serving_chat import OpenAIServingChat
-from sluice.server.tool_calls import ArgumentsDelta, ParsedToolCall, tool_call_id
+from sluice.server.tool_calls import ArgumentsDelta, ParsedToolCall, sample_events, tool_call_id
 
 INPUT_ROLES = ("user", "system", "developer", "assistant")
 
@@ -503,14 +503,7 @@ class _Reply:
         events: list[tuple[str, dict[str, Any]]] = []
         for sample in output.outputs:
             self.sample = sample
-            done = bool(sample.finish_reason) and sample.finish_reason != "error"
-            if self.parser is not None:
-                parsed = self.parser.feed(sample.text_delta) if sample.text_delta else []
-                if done:
-                    parsed += self.parser.finish()
-            else:
-                parsed = [sample.text_delta] if sample.text_delta else []
-            for event in parsed:
+            for event in sample_events(self.parser, sample):
                 events += self.items.add(event)
         if output.finished:
             self.cached_tokens = output.num_cached_tokens

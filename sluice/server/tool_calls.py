@@ -88,6 +88,17 @@ def reply_parts(events: list[Any]) -> tuple[Optional[str], list[ParsedToolCall],
     return content, calls, parsed
 
 
+def sample_events(parser: Optional[Any], sample: Any) -> list[Any]:
+    """The events a sample's new text makes (the parser's, or the text itself without one), and
+    once the sample is done (not failed), what the parser still held."""
+    if parser is None:
+        return [sample.text_delta] if sample.text_delta else []
+    events = parser.feed(sample.text_delta) if sample.text_delta else []
+    if sample.finish_reason and sample.finish_reason != "error":
+        events += parser.finish()
+    return events
+
+
 class ToolCallStream:
     """Incremental hermes parsing: `feed(delta)` and at the end `finish()` each return the events
     that are certain so far, in order: content strings and `ParsedToolCall`s. Concatenating the

@@ -1,0 +1,429 @@
+"""POST /v1/messages and /v1/messages/count_tokens: Anthropic's Messages API on the chat path.
+
+Agent harnesses built on Anthropic's API (its SDKs, coding agents pointed at `ANTHROPIC_BASE_URL`)
+reach sluice here, as they reach vLLM 0.32's own `/v1/messages`. A request is translated into the
+chat completion it amounts to: `system` becomes the system message; content blocks become chat
+messages (an assistant's `tool_use` blocks its `tool_calls`, a user's `tool_result` blocks tool
+messages ahead of the user's text, thinking blocks replayed from history are dropped); `tools`
+(`input_schema`) and `tool_choice` (`auto`, `any` = "required", `tool` = a named function, `none`,
+`disable_parallel_tool_use`) become the chat's; `stop_sequences` its `stop`;
+`output_config.format` a `response_format`. It then goes through the chat endpoint's checks,
+template, tool parsing and structured outputs. The answer has Anthropic's shape: `text` and
+`tool_use` content blocks, `stop_reason` (`end_turn`, `max_tokens`, `stop_sequence`, `tool_use`),
+usage with the prefix cache's hits as `cache_read_input_tokens` (Anthropic's `input_tokens` counts
+only the rest), and, streamed, Anthropic's events (`message_start`, `content_block_start`,
+`content_block_delta` with `text_delta` / `input_json_delta`, `content_block_stop`,
+`message_delta`, `message_stop`). Errors come in Anthropic's shape
+(`{"type": "error", "error": {"type", "message"}}`; api_server.py).
+
+Workflow identity: the X-Workflow-Id header, `workflow_id`, `session_id`, then `metadata.user_id`
+(which Anthropic's coding agents set per session), so an agent's calls find their KV retained.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+import uuid
+from typing import Any, AsyncIterator, Callable, Literal, Optional, Union
+
+from pydantic import Field
+from starlette.requests import Request
+from starlette.responses import Response
+
+from sluice.outputs import CompletionOutput, RequestOutput
+from sluice.server.protocol import APIError, ChatCompletionRequest, OpenAIRequestModel, documented
+from sluice.server.serving_base import (
+    EngineCall,
+    GenerationStreams,
+    SSEResponse,
+    api_error_from,
+    escape_line_breaks,
+    parse_request,
+    raise_if_failed,
+)
+from sluice.server.serving_chat import OpenAIServingChat
+from sluice.server.tool_calls import ArgumentsDelta, ParsedToolCall, sample_events
+
+# A chat field named in an error -> the Messages field it came from.
+_CHAT_PARAMS = {"max_completion_tokens": "max_tokens", "stop": "stop_sequences", "response_format": "output_config"}
+
+# Anthropic's error types by HTTP status.
+_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
+                503: "overloaded_error", 529: "overloaded_error"}
+
+
+def anthropic_error_body(error: APIError) -> dict[str, Any]:
+    kind = _ERROR_TYPES.get(error.status_code, "api_error" if error.status_code >= 500 else "invalid_request_error")
+    return {"type": "error", "error": {"type": kind, "message": error.message}}
+
+
+# --- requests ------------------------------------------------------------------------------------
+
+class ContentBlock(OpenAIRequestModel):
+    """A content block of a message (or of `system`); which fields count depends on `type`."""
+
+    type: str
+    text: Optional[str] = None
+    id: Optional[str] = None                                 # tool_use
+    name: Optional[str] = None                               # tool_use
+    input: Optional[dict[str, Any]] = None                   # tool_use
+    tool_use_id: Optional[str] = None                        # tool_result
+    content: Optional[Union[str, list[dict[str, Any]]]] = None   # tool_result
+    is_error: Optional[bool] = None                          # tool_result
+
+
+class AnthropicMessage(OpenAIRequestModel):
+    role: Literal["user", "assistant"]
+    content: Union[str, list[ContentBlock]]
+
+
+class AnthropicTool(OpenAIRequestModel):
+    name: str
+    description: Optional[str] = None
+    input_schema: dict[str, Any] = Field(default_factory=dict)
+    type: Optional[str] = None        # "custom" (or absent); Anthropic's own tools are not served
+
+
+class AnthropicToolChoice(OpenAIRequestModel):
+    type: Literal["auto", "any", "tool", "none"]
+    name: Optional[str] = None
+    disable_parallel_tool_use: Optional[bool] = None
+
+
+class _Conversation(OpenAIRequestModel):
+    model: Optional[str] = None
+    messages: list[AnthropicMessage]
+    system: Optional[Union[str, list[ContentBlock]]] = None
+    tools: Optional[list[AnthropicTool]] = None
+    tool_choice: Optional[AnthropicToolChoice] = None
+    thinking: Optional[dict[str, Any]] = None
+
+
+class MessagesRequest(_Conversation):
+    """POST /v1/messages. Fields Anthropic's API does not declare are passed on as they would be on
+    a chat completion (vLLM's sampling extensions, `cache_salt`, `ignore_eos`, ...)."""
+
+    max_tokens: int = documented(..., minimum=1)
+    stop_sequences: Optional[list[str]] = None
+    stream: Optional[bool] = False
+    temperature: Optional[float] = documented(minimum=0)
+    top_p: Optional[float] = documented(exclusiveMinimum=0, maximum=1)
+    top_k: Optional[int] = documented(minimum=-1)
+    metadata: Optional[dict[str, Any]] = None
+    output_config: Optional[dict[str, Any]] = None
+    workflow_id: Optional[Union[str, int]] = None
+    session_id: Optional[str] = None
+    is_last_step: Optional[bool] = False
+
+
+class CountTokensRequest(_Conversation):
+    """POST /v1/messages/count_tokens: the prompt a Messages request with these fields runs on."""
+
+
+# --- the translation -----------------------------------------------------------------------------
+
+def _text_of(blocks: Union[str, list[ContentBlock], list[dict[str, Any]], None], where: str) -> str:
+    """The text of a system prompt or a tool result: a string, or text blocks joined by lines."""
+    if blocks is None or isinstance(blocks, str):
+        return blocks or ""
+    texts = []
+    for block in blocks:
+        kind, text = (block.get("type"), block.get("text")) if isinstance(block, dict) else (block.type, block.text)
+        if kind != "text":
+            raise APIError(400, f"{where}: content blocks of type {kind!r} are not supported (text only)",
+                           param="messages" if where != "system" else "system")
+        texts.append(text or "")
+    return "\n".join(texts)
+
+
+def chat_messages(request: _Conversation) -> list[dict[str, Any]]:
+    """The chat messages a Messages conversation amounts to."""
+    out: list[dict[str, Any]] = []
+    system = _text_of(request.system, "system")
+    if system:
+        out.append({"role": "system", "content": system})
+    for i, message in enumerate(request.messages):
+        if isinstance(message.content, str):
+            out.append({"role": message.role, "content": message.content})
+            continue
+        texts: list[str] = []
+        calls: list[dict[str, Any]] = []
+        for block in message.content:
+            kind = block.type
+            if kind == "text":
+                texts.append(block.text or "")
+            elif kind == "tool_use" and message.role == "assistant":
+                if not block.name:
+                    raise APIError(400, f"messages[{i}]: a tool_use block needs a name", param="messages")
+                calls.append({"id": block.id or f"toolu_{uuid.uuid4().hex[:24]}", "type": "function",
+                              "function": {"name": block.name, "arguments": json.dumps(block.input or {})}})
+            elif kind == "tool_result" and message.role == "user":
+                # ahead of the user's own text: the results answer the assistant's calls just before
+                out.append({"role": "tool", "tool_call_id": block.tool_use_id or "",
+                            "content": _text_of(block.content, f"messages[{i}] tool_result")})
+            elif kind in ("thinking", "redacted_thinking") and message.role == "assistant":
+                continue            # this model does not reason; replayed thinking is not prompt text
+            else:
+                raise APIError(400, f"messages[{i}]: content blocks of type {kind!r} are not supported in "
+                               f"{message.role} messages", param="messages")
+        if message.role == "assistant":
+            if texts or calls:
+                out.append({"role": "assistant", "content": "\n".join(texts) if texts else None,
+                            **({"tool_calls": calls} if calls else {})})
+        elif texts:
+            out.append({"role": "user", "content": [{"type": "text", "text": t} for t in texts]})
+    return out
+
+
+def chat_tools(request: _Conversation) -> dict[str, Any]:
+    """The chat request's `tools`, `tool_choice` and `parallel_tool_calls`."""
+    body: dict[str, Any] = {}
+    for tool in request.tools or []:
+        if tool.type not in (None, "custom"):
+            raise APIError(400, f"tool {tool.name!r} of type {tool.type!r}: Anthropic's own tools are not "
+                           "served; define it as a custom tool", param="tools")
+    if request.tools:
+        body["tools"] = [{"type": "function", "function": {
+            "name": t.name, **({"description": t.description} if t.description else {}),
+            "parameters": {"type": "object", **t.input_schema}}} for t in request.tools]
+    choice = request.tool_choice
+    if choice is None:
+        if request.tools:
+            body["tool_choice"] = "auto"
+        return body
+    if choice.type == "tool":
+        if not choice.name:
+            raise APIError(400, 'tool_choice of type "tool" needs a name', param="tool_choice")
+        body["tool_choice"] = {"type": "function", "function": {"name": choice.name}}
+    else:
+        body["tool_choice"] = {"any": "required"}.get(choice.type, choice.type)
+    if choice.disable_parallel_tool_use:
+        body["parallel_tool_calls"] = False
+    return body
+
+
+def _check_thinking(request: _Conversation) -> None:
+    kind = (request.thinking or {}).get("type")
+    if kind not in (None, "disabled", "enabled", "adaptive"):
+        raise APIError(400, f"thinking of type {kind!r} is not supported", param="thinking")
+    # "enabled" and "adaptive" are accepted: a budget is an upper bound, and this model's replies
+    # use none of it (no thinking blocks), as a reply that needed no thinking would.
+
+
+def stop_reason(sample: CompletionOutput, called: bool) -> tuple[Optional[str], Optional[str]]:
+    """Anthropic's (stop_reason, stop_sequence) for a finished sample."""
+    if sample.finish_reason == "length":
+        return "max_tokens", None
+    if isinstance(sample.stop_reason, str):
+        return "stop_sequence", sample.stop_reason
+    return ("tool_use" if called else "end_turn"), None
+
+
+class ContentBlocks:
+    """The content blocks of one reply, built from the tool parser's events (text, whole calls,
+    argument fragments of a named call) as they come; each method returns the stream events it
+    causes. Whitespace-only text is held until more text comes, so a reply that only calls tools
+    has no empty text block."""
+
+    def __init__(self, max_calls: Optional[int]) -> None:
+        self.blocks: list[dict[str, Any]] = []
+        self._open: Optional[dict[str, Any]] = None
+        self._json = ""                # the open tool_use block's arguments so far
+        self._blank = ""
+        self._max_calls = max_calls
+        self.calls = 0
+
+    def add(self, event: Any) -> list[dict[str, Any]]:
+        if isinstance(event, str):
+            if self._open is None or self._open["type"] != "text":
+                if not (self._blank + event).strip():
+                    self._blank += event
+                    return []
+                event, self._blank = self._blank + event, ""
+                out = self._start({"type": "text", "text": ""})
+            else:
+                out = []
+            self._open["text"] += event
+            return out + [self._delta({"type": "text_delta", "text": event})]
+        if isinstance(event, ParsedToolCall):
+            if self._max_calls is not None and self.calls >= self._max_calls:
+                return []
+            return self._start_call(event.name) + self._arguments(event.arguments) + self._stop()
+        if isinstance(event, ArgumentsDelta):
+            opened = self._open is not None and self._open["type"] == "tool_use"
+            return ([] if opened else self._start_call(event.name)) + self._arguments(event.text)
+        raise TypeError(f"unexpected parser event {event!r}")
+
+    def finish(self) -> list[dict[str, Any]]:
+        """Closes the open block; a reply with no block at all gets its (possibly empty) text."""
+        if not self.blocks:
+            out = self._start({"type": "text", "text": ""})
+            if self._blank:
+                self._open["text"] += self._blank
+                out.append(self._delta({"type": "text_delta", "text": self._blank}))
+            return out + self._stop()
+        return self._stop()
+
+    def _start(self, block: dict[str, Any]) -> list[dict[str, Any]]:
+        out = self._stop()
+        self.blocks.append(block)
+        self._open = block
+        return out + [{"type": "content_block_start", "index": len(self.blocks) - 1, "content_block": dict(block)}]
+
+    def _start_call(self, name: str) -> list[dict[str, Any]]:
+        self.calls += 1
+        self._json = ""
+        return self._start({"type": "tool_use", "id": f"toolu_{uuid.uuid4().hex[:24]}", "name": name, "input": {}})
+
+    def _arguments(self, text: str) -> list[dict[str, Any]]:
+        self._json += text
+        return [self._delta({"type": "input_json_delta", "partial_json": text})] if text else []
+
+    def _delta(self, delta: dict[str, Any]) -> dict[str, Any]:
+        return {"type": "content_block_delta", "index": len(self.blocks) - 1, "delta": delta}
+
+    def _stop(self) -> list[dict[str, Any]]:
+        block, self._open = self._open, None
+        if block is None:
+            return []
+        if block["type"] == "tool_use":
+            try:
+                args = json.loads(self._json) if self._json.strip() else {}
+            except json.JSONDecodeError:
+                args = None
+            block["input"] = args if isinstance(args, dict) else {}
+        return [{"type": "content_block_stop", "index": len(self.blocks) - 1}]
+
+
+# --- the endpoint --------------------------------------------------------------------------------
+
+class AnthropicServingMessages(OpenAIServingChat):
+    async def create_message(self, request: MessagesRequest, raw_request: Request) -> Response:
+        arrival = time.monotonic()
+        self.check_model(request.model)
+        _check_thinking(request)
+        try:   # the chat endpoint's checks, with its errors naming this request's fields
+            chat = parse_request(ChatCompletionRequest, self._chat_body(request))
+            self.check_request(chat)
+            parse_tools, forced = self._tool_choice(chat)
+            prompt_ids = self.truncate_prompt(chat, self.render_chat(chat))
+            self.check_prompt_ids(prompt_ids, "messages")
+            params = self.sampling_params(chat, len(prompt_ids), None, prompt_param="messages")
+            if forced is not None:
+                params = dataclasses.replace(params, structured_outputs=forced)
+            await self.check_structured_outputs(params, "tool_choice" if forced is not None else "output_config")
+        except APIError as e:
+            e.param = _CHAT_PARAMS.get(e.param, e.param)
+            raise
+        message_id = f"msg_{uuid.uuid4().hex[:24]}"
+        streams = await self.start_streams(raw_request, [EngineCall(message_id, prompt_ids, params)],
+                                           self.workflow_info(chat, raw_request), arrival)
+        reply = _Reply(self.model_name, message_id, len(prompt_ids), parse_tools,
+                       1 if chat.parallel_tool_calls is False else None)
+        if request.stream:
+            streams.stop_watching()
+            return SSEResponse(reply.stream(streams), on_close=streams.close)
+        async for _, output in streams:
+            reply.update(output)
+        return Response(json.dumps(reply.finish(), ensure_ascii=False), media_type="application/json")
+
+    async def count_tokens(self, request: CountTokensRequest) -> dict[str, Any]:
+        self.check_model(request.model)
+        _check_thinking(request)
+        body = {"model": request.model, "messages": chat_messages(request), **chat_tools(request)}
+        body.pop("tool_choice", None)        # parsing the reply is not asked for: the prompt is the same
+        chat = parse_request(ChatCompletionRequest, body)
+        return {"input_tokens": len(self.render_chat(chat))}
+
+    @staticmethod
+    def _chat_body(request: MessagesRequest) -> dict[str, Any]:
+        body: dict[str, Any] = dict(request.model_extra or {})   # fields Anthropic's API does not declare
+        if body.get("prompt_logprobs") is not None:
+            raise APIError(400, "prompt_logprobs is not served by /v1/messages (use /v1/completions or "
+                           "/v1/chat/completions)", param="prompt_logprobs")
+        for name in ("mcp_servers", "container"):
+            if body.pop(name, None):
+                raise APIError(400, f"{name} is not supported", param=name)
+        user = (request.metadata or {}).get("user_id")
+        body.update(
+            model=request.model, messages=chat_messages(request), n=1, stream=False,
+            max_completion_tokens=request.max_tokens, temperature=request.temperature, top_p=request.top_p,
+            top_k=request.top_k, stop=request.stop_sequences, user=str(user) if user not in (None, "") else None,
+            workflow_id=request.workflow_id, session_id=request.session_id, is_last_step=request.is_last_step,
+            **chat_tools(request),
+        )
+        fmt = (request.output_config or {}).get("format")
+        if fmt is not None:
+            if not isinstance(fmt, dict) or fmt.get("type") != "json_schema" or not isinstance(fmt.get("schema"), dict):
+                raise APIError(400, 'output_config.format must be {"type": "json_schema", "schema": {...}}',
+                               param="output_config")
+            body["response_format"] = {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt["schema"]}}
+        return body
+
+
+class _Reply:
+    """One message being generated: the engine's outputs through the tool parser into content
+    blocks, and the final message."""
+
+    def __init__(self, model: str, message_id: str, prompt_len: int, parse_tools: Optional[Callable[[], Any]],
+                 max_calls: Optional[int]) -> None:
+        self.model = model
+        self.message_id = message_id
+        self.prompt_len = prompt_len
+        self.parser = parse_tools() if parse_tools is not None else None
+        self.blocks = ContentBlocks(max_calls)
+        self.sample: Optional[CompletionOutput] = None
+        self.cached_tokens = 0
+
+    def update(self, output: RequestOutput) -> list[dict[str, Any]]:
+        """The stream events of one engine output (raises if the request failed)."""
+        events: list[dict[str, Any]] = []
+        self.cached_tokens = output.num_cached_tokens
+        for sample in output.outputs:
+            self.sample = sample
+            for event in sample_events(self.parser, sample):
+                events += self.blocks.add(event)
+        if output.finished:
+            raise_if_failed(output)
+        return events
+
+    def usage(self, final: bool) -> dict[str, Any]:
+        output_tokens = len(self.sample.token_ids) if self.sample is not None and final else 0
+        return {"input_tokens": self.prompt_len - self.cached_tokens, "cache_read_input_tokens": self.cached_tokens,
+                "cache_creation_input_tokens": 0, "output_tokens": output_tokens}
+
+    def message(self, content: list[dict[str, Any]], final: bool) -> dict[str, Any]:
+        reason, sequence = stop_reason(self.sample, self.blocks.calls > 0) if final and self.sample else (None, None)
+        return {"id": self.message_id, "type": "message", "role": "assistant", "model": self.model,
+                "content": content, "stop_reason": reason, "stop_sequence": sequence, "usage": self.usage(final)}
+
+    def finish(self) -> dict[str, Any]:
+        self.blocks.finish()
+        return self.message(self.blocks.blocks, final=True)
+
+    async def stream(self, streams: GenerationStreams) -> AsyncIterator[str]:
+        def sse(event: dict[str, Any]) -> str:
+            return f"event: {event['type']}\ndata: {escape_line_breaks(json.dumps(event, ensure_ascii=False))}\n\n"
+
+        started = False
+        try:
+            async for _, output in streams:
+                events = self.update(output)
+                if not started:     # after the first output: its prefix-cache hits are known
+                    started = True
+                    yield sse({"type": "message_start", "message": self.message([], final=False)})
+                    yield sse({"type": "ping"})
+                for event in events:
+                    yield sse(event)
+            for event in self.blocks.finish():
+                yield sse(event)
+            final = self.message([], final=True)
+            yield sse({"type": "message_delta", "delta": {"stop_reason": final["stop_reason"],
+                                                          "stop_sequence": final["stop_sequence"]},
+                       "usage": final["usage"]})
+            yield sse({"type": "message_stop"})
+        except Exception as e:
+            yield sse({"type": "error", **{k: v for k, v in anthropic_error_body(api_error_from(e)).items()
+                                           if k != "type"}})
