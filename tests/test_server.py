@@ -72,6 +72,28 @@ def test_chat_streaming_with_usage(client: openai.OpenAI, model: str) -> None:
     assert content or usage_chunk.usage.completion_tokens <= 1
 
 
+def test_continuous_usage_stats(client: openai.OpenAI, model: str) -> None:
+    """vLLM's stream_options.continuous_usage_stats: every chunk carries the usage so far, growing
+    to the final usage chunk's."""
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    for chunks in (
+        list(client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=8, temperature=0, stream=True,
+                                            stream_options=options)),
+        list(client.completions.create(model=model, prompt=PROMPT, max_tokens=8, n=2, seed=1, stream=True,
+                                       stream_options=options)),
+    ):
+        assert all(c.usage is not None for c in chunks)
+        done = [c.usage.completion_tokens for c in chunks]
+        assert done == sorted(done) and done[0] < done[-1] and not chunks[-1].choices
+        assert len({c.usage.prompt_tokens for c in chunks}) == 1
+        final = chunks[-1].usage
+        assert final.total_tokens == final.prompt_tokens + final.completion_tokens
+    assert done[-1] == 16                     # two choices of 8
+    plain = list(client.completions.create(model=model, prompt=PROMPT, max_tokens=4, stream=True,
+                                           stream_options={"include_usage": True}))
+    assert [c.usage is not None for c in plain] == [False] * (len(plain) - 1) + [True]
+
+
 def test_greedy_is_deterministic_and_stream_matches(client: openai.OpenAI, model: str) -> None:
     first = client.completions.create(model=model, prompt=PROMPT, max_tokens=12, temperature=0)
     second = client.completions.create(model=model, prompt=PROMPT, max_tokens=12, temperature=0)

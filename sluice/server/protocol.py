@@ -107,6 +107,7 @@ class OpenAIRequestModel(BaseModel):
 
 class StreamOptions(OpenAIRequestModel):
     include_usage: Optional[bool] = False
+    continuous_usage_stats: Optional[bool] = False   # vLLM's: usage so far in every chunk too
 
 
 _FUNCTION_NAME = r"^[a-zA-Z0-9_-]{1,64}$"   # OpenAI's rule for function (and response format) names
@@ -209,6 +210,12 @@ class SamplingRequest(OpenAIRequestModel):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        """vLLM's `stream_options.continuous_usage_stats` (with `include_usage`): every chunk carries
+        the usage so far."""
+        return self.include_usage and bool(self.stream_options.continuous_usage_stats)
 
     @property
     def structured_outputs_field(self) -> str:

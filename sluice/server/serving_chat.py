@@ -197,8 +197,13 @@ class OpenAIServingChat(OpenAIServing):
         pending_ids: dict[int, list[int]] = {}
         as_ids = bool(request.return_tokens_as_token_ids)
 
+        continuous = request.continuous_usage
+        so_far = [0]   # prefix-cache hits, once known
+
         def chunk(choices: list[ChatCompletionStreamChoice], usage: Optional[UsageInfo] = None,
                   first: bool = False) -> str:
+            if continuous and usage is None:
+                usage = UsageInfo.of(prompt_len, sum(len(s.token_ids) for s in latest.values()), so_far[0])
             if ids:
                 for c in choices:
                     c.token_ids = pending_ids.pop(c.index, None) if c.index in pending_ids else c.token_ids
@@ -219,6 +224,7 @@ class OpenAIServingChat(OpenAIServing):
                 yield chunk([ChatCompletionStreamChoice(index=index, delta=DeltaMessage(role="assistant", content=""))],
                             first=index == 0)
             async for _, output in streams:
+                so_far[0] = output.num_cached_tokens
                 for sample in output.outputs:
                     latest[sample.index] = sample
                     if sample.index in finished:
@@ -262,7 +268,7 @@ class OpenAIServingChat(OpenAIServing):
                                 tool_calls=[DeltaToolCall(index=k, id=tool_call_id(), type="function", function=DeltaFunctionCall(
                                     name=event.name, arguments=event.arguments))]))])
                             continue
-                        if ids:      # each chunk's ids differ: no shared template
+                        if ids or continuous:      # each chunk's ids or usage differ: no shared template
                             yield chunk([ChatCompletionStreamChoice(index=sample.index, delta=DeltaMessage(content=event))])
                             continue
                         if sample.index not in text_chunk:

@@ -165,8 +165,12 @@ class OpenAIServingCompletion(OpenAIServing):
         streams: GenerationStreams,
     ) -> AsyncIterator[str]:
         created = now_s()
+        continuous = request.continuous_usage
+        hits: dict[int, int] = {}   # per call: its prefix-cache hits
 
         def chunk(choices: list[CompletionChoice], usage: Optional[UsageInfo] = None) -> str:
+            if continuous and usage is None:
+                usage = self._usage(prompts, latest.values(), sum(hits.values()))
             return sse_event(CompletionResponse(
                 id=request_id, created=created, model=self.model_name, choices=choices, usage=usage,
             ))
@@ -184,6 +188,7 @@ class OpenAIServingCompletion(OpenAIServing):
         as_ids = bool(request.return_tokens_as_token_ids)
         try:
             async for call_index, output in streams:
+                hits[call_index] = output.num_cached_tokens
                 for sample in output.outputs:
                     index = call_index * n + sample.index
                     latest[index] = sample
@@ -208,12 +213,12 @@ class OpenAIServingCompletion(OpenAIServing):
                         finish_reason = "length"
                     if finish_reason:
                         finished.add(index)
-                    if ids and (text or logprobs or finish_reason or first):
+                    if (ids or continuous) and (text or logprobs or finish_reason or first):
                         yield chunk([CompletionChoice(
                             index=index, text=text, logprobs=logprobs, finish_reason=finish_reason,
                             stop_reason=sample.stop_reason if finish_reason and not echo_only else None,
-                            prompt_token_ids=list(prompts[call_index].token_ids) if first else None,
-                            token_ids=pending_ids.pop(index, []),
+                            prompt_token_ids=list(prompts[call_index].token_ids) if first and ids else None,
+                            token_ids=pending_ids.pop(index, []) if ids else None,
                         )])
                     elif text and not logprobs and not finish_reason:
                         if index not in text_chunk:
