@@ -148,6 +148,10 @@ class SamplingParams:
     # retention) only with requests of the same salt, so a tenant cannot learn from cache hits
     # what another sent. Salting starts the chain of block hashes (block_pool.salted_root).
     cache_salt: Optional[str] = None
+    # vLLM's request `priority`: lower is served first, ahead of every other rule of the scheduling
+    # policy, and preempted last (vLLM needs `--scheduling-policy priority`; both of sluice's
+    # policies honour it). The default 0 leaves the policy's order as it is.
+    priority: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

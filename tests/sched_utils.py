@@ -89,11 +89,13 @@ def create_request(
     arrival_time: Optional[float] = None,
     add: bool = True,
     cache_salt: Optional[str] = None,
+    priority: int = 0,
 ) -> Request:
     """A request with `prompt` tokens (a count gives a unique prompt), added to the scheduler."""
     tokens = unique_prompt(prompt) if isinstance(prompt, int) else list(prompt)
     params = SamplingParams(max_tokens=max_tokens, min_tokens=min_tokens, ignore_eos=ignore_eos,
-                            stop_token_ids=list(stop_token_ids), cache_salt=cache_salt)
+                            stop_token_ids=list(stop_token_ids), cache_salt=cache_salt,
+                            priority=priority)
     req = Request(request_id, tokens, params, max_tokens,
                   arrival_time if arrival_time is not None else scheduler.clock(),
                   eos_token_ids=(EOS,), workflow_id=workflow_id, is_last_step=is_last_step)

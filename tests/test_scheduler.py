@@ -282,6 +282,26 @@ def test_preemption_and_resume():
     assert_all_released(s)
 
 
+@pytest.mark.parametrize("policy", ["fcfs", "workflow"])
+def test_priority_goes_first_and_is_preempted_last(policy):
+    """vLLM's request priority: a later call with a lower value is admitted first (the step's
+    budget holds one prompt), and when memory runs out the victim is the higher value's."""
+    s = create_scheduler(block_size=4, num_blocks=8, max_num_batched_tokens=8, policy=policy,
+                         decode_yield_steps=0)
+    low = create_request(s, "low", 8, max_tokens=12, ignore_eos=True, priority=1)
+    s.clock.advance(1)
+    high = create_request(s, "high", 8, max_tokens=12, ignore_eos=True, priority=-1)
+    out, _ = run_step(s, by_output_index)
+    assert scheduled_ids(out) == [("high", 8)]
+    preempted = []
+    while s.has_unfinished():
+        out, _ = run_step(s, by_output_index)
+        preempted += out.preempted
+    assert preempted and set(preempted) == {low}
+    assert high.num_preemptions == 0 and high.output_token_ids == low.output_token_ids == [100 + i for i in range(12)]
+    assert_all_released(s)
+
+
 def r0_at_a_block_boundary(r1_max_tokens: int):
     """Five 4-token blocks, all taken after five steps: r0 (first in line) has computed 8 tokens
     in 2 blocks and needs a third for its next one; r1 has computed 10 in 3 blocks (2 slots left)."""

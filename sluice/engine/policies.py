@@ -2,6 +2,8 @@
 
 A policy returns a sort key per request; smaller keys are served first, and the victim of a
 preemption is the running request with the largest key (ties broken towards least progress lost).
+Every key starts with the request's `priority` (vLLM's field, 0 by default): a lower one goes
+first, whatever the rest of the key says, and is preempted last.
 """
 from __future__ import annotations
 
@@ -30,7 +32,7 @@ class FCFSPolicy:
         pass
 
     def priority(self, req: Request, now: float) -> tuple:
-        return (req.arrival_time,)
+        return (req.params.priority, req.arrival_time)
 
 
 class WorkflowPolicy:
@@ -82,8 +84,9 @@ class WorkflowPolicy:
             starving = now - req.arrival_time > self.starvation_s
             service = wf.service if wf else 0.0
             rank = 0 if starving else (1 if resident else 2)
-            return (rank, -int(math.log2(1.0 + service / self.QUANTUM)), req.arrival_time)
-        return (self.level(req, now), 0 if resident else 1, self.remaining(req, wf), req.arrival_time)
+            return (req.params.priority, rank, -int(math.log2(1.0 + service / self.QUANTUM)), req.arrival_time)
+        return (req.params.priority, self.level(req, now), 0 if resident else 1, self.remaining(req, wf),
+                req.arrival_time)
 
     @staticmethod
     def remaining(req: Request, wf) -> int:

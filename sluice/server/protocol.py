@@ -183,6 +183,8 @@ class SamplingRequest(OpenAIRequestModel):
     # the first chunk, then each chunk's new ids); logprob tokens as "token_id:<id>".
     return_token_ids: Optional[bool] = None
     return_tokens_as_token_ids: Optional[bool] = None
+    # vLLM's: lower is scheduled first (and preempted last), ahead of the policy's own order.
+    priority: Optional[int] = Field(0, ge=_INT64_MIN, le=_INT64_MAX)
     # vLLM's: KV is shared through the prefix cache only among calls of the same salt.
     cache_salt: Optional[str] = Field(None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
     # Per prompt token its logprob and the top `prompt_logprobs` (vLLM's field; not with `stream`).
@@ -267,6 +269,7 @@ class SamplingRequest(OpenAIRequestModel):
             allowed_token_ids=list(self.allowed_token_ids) if self.allowed_token_ids is not None else None,
             bad_words=list(self.bad_words or []),
             cache_salt=self.cache_salt,
+            priority=self.priority or 0,
         )
 
 
