@@ -508,6 +508,17 @@ def test_continue_final_message_continues_the_assistant_turn(
     same = client.completions.create(model=model, prompt=got["tokens"], max_tokens=8, temperature=0)
     assert reply.choices[0].message.content == same.choices[0].text
     assert reply.usage is not None and reply.usage.prompt_tokens == got["count"]
+    # vLLM's chat `echo`: the final (assistant) message's text leads the reply, whole or streamed
+    echoed = client.chat.completions.create(model=model, messages=CHAT, max_tokens=8, temperature=0,
+                                            extra_body={**fields, "echo": True})
+    assert echoed.choices[0].message.content == CHAT[-1]["content"] + same.choices[0].text
+    chunks = client.chat.completions.create(model=model, messages=CHAT, max_tokens=8, temperature=0, stream=True,
+                                            extra_body={**fields, "echo": True})
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == echoed.choices[0].message.content
+    plain = client.chat.completions.create(model=model, messages=CHAT[:2], max_tokens=4, temperature=0,
+                                           extra_body={"echo": True})   # the final message is the user's
+    assert plain.choices[0].message.content == client.chat.completions.create(
+        model=model, messages=CHAT[:2], max_tokens=4, temperature=0).choices[0].message.content
 
 
 def test_load_and_metrics(server: RemoteServer, client: openai.OpenAI, model: str) -> None:

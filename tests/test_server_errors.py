@@ -69,6 +69,7 @@ BAD_CHAT = {
     "max_tokens_zero": (chat(max_tokens=0), "max_tokens"),
     "prompt_logprobs_with_stream": (chat(prompt_logprobs=0, stream=True), "prompt_logprobs"),
     "truncate_prompt_tokens_zero": (chat(truncate_prompt_tokens=0), "messages"),
+    "beam_search": (chat(use_beam_search=True), "use_beam_search"),
     "priority_not_an_integer": (chat(priority="high"), "priority"),
     "cache_salt_empty": (chat(cache_salt=""), "cache_salt"),
     "cache_salt_too_long": (chat(cache_salt="s" * 1025), "cache_salt"),

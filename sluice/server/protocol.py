@@ -382,12 +382,22 @@ class ChatCompletionRequest(SamplingRequest, ChatTemplateInput):
     top_logprobs: Optional[int] = documented(minimum=0)
     tool_choice: Optional[Union[Literal["none", "auto", "required"], NamedToolChoice]] = None
     parallel_tool_calls: Optional[bool] = True
+    # vLLM's: the reply's content starts with the final message's when that is the assistant's
+    # (the text a `continue_final_message` call continues).
+    echo: Optional[bool] = False
 
     @property
     def requested_max_tokens(self) -> Optional[int]:
         if self.max_completion_tokens is not None:
             return self.max_completion_tokens
         return self.max_tokens
+
+    @property
+    def echoed_text(self) -> str:
+        """What `echo` puts ahead of each choice's content."""
+        if not self.echo or not self.messages or self.messages[-1].role != "assistant":
+            return ""
+        return self.messages[-1].text
 
 
 PromptInput = Union[str, list[str], list[int], list[list[int]]]

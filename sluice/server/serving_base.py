@@ -309,6 +309,8 @@ class OpenAIServing:
             if request.stream:
                 raise APIError(400, "prompt_logprobs is not available with stream", param="prompt_logprobs")
             self.check_logprobs(request.prompt_logprobs, "prompt_logprobs")
+        if (request.model_extra or {}).get("use_beam_search"):
+            raise APIError(400, "beam search is not supported", param="use_beam_search")
         if request.truncate_prompt_tokens is not None and request.truncate_prompt_tokens > self.max_model_len:
             raise APIError(400, f"truncate_prompt_tokens is {request.truncate_prompt_tokens}, more than this model's "
                            f"context of {self.max_model_len} tokens", param="truncate_prompt_tokens")

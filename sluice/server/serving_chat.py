@@ -159,6 +159,8 @@ class OpenAIServingChat(OpenAIServing):
                 content, calls, parsed = reply_parts(parser.feed(sample.text) + parser.finish())
             if calls and request.parallel_tool_calls is False:
                 calls = calls[:1]
+            if request.echoed_text:
+                content = request.echoed_text + (content or "")
             choices.append(ChatCompletionChoice(
                 index=index,
                 message=ChatResponseMessage(content=content, tool_calls=[
@@ -223,6 +225,9 @@ class OpenAIServingChat(OpenAIServing):
             for index in range(n):
                 yield chunk([ChatCompletionStreamChoice(index=index, delta=DeltaMessage(role="assistant", content=""))],
                             first=index == 0)
+            if request.echoed_text:
+                for index in range(n):
+                    yield chunk([ChatCompletionStreamChoice(index=index, delta=DeltaMessage(content=request.echoed_text))])
             async for _, output in streams:
                 so_far[0] = output.num_cached_tokens
                 for sample in output.outputs:
