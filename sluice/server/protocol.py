@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, ClassVar, Literal, Optional, Union
+from typing import Any, Literal, Optional, Union
 
 from pydantic import (
     BaseModel,
@@ -561,28 +561,23 @@ class ChatResponseMessage(BaseModel):
     tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
-class _TokenIdFields(BaseModel):
-    """A response part with vLLM's `token_ids` / `prompt_token_ids`, which appear only when the
-    request asked for them (`return_token_ids`); the OpenAI fields beside them keep their nulls."""
-
-    _OMIT_IF_NONE: ClassVar[tuple[str, ...]] = ("token_ids", "prompt_token_ids")
-
-    @model_serializer(mode="wrap")
-    def _omit_unasked(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        out = handler(self)
-        for name in self._OMIT_IF_NONE:
-            if name in out and out[name] is None:
-                del out[name]
-        return out
+def _is_none(value: Any) -> bool:
+    return value is None
 
 
-class ChatCompletionChoice(_TokenIdFields):
+def _token_ids_field() -> Any:
+    """vLLM's `token_ids` / `prompt_token_ids` in a response: present only when the request asked
+    for them (`return_token_ids`), while the OpenAI fields beside them keep their nulls."""
+    return Field(None, exclude_if=_is_none)
+
+
+class ChatCompletionChoice(BaseModel):
     index: int
     message: ChatResponseMessage
     logprobs: Optional[ChatLogprobs] = None
     finish_reason: Optional[str] = None
     stop_reason: Optional[Union[int, str]] = None
-    token_ids: Optional[list[int]] = None
+    token_ids: Optional[list[int]] = _token_ids_field()
 
 
 class PromptLogprob(BaseModel):
@@ -597,7 +592,7 @@ class PromptLogprob(BaseModel):
 PromptLogprobs = list[Optional[dict[int, PromptLogprob]]]
 
 
-class ChatCompletionResponse(_TokenIdFields):
+class ChatCompletionResponse(BaseModel):
     id: str
     object: Literal["chat.completion"] = "chat.completion"
     created: int = Field(default_factory=now_s)
@@ -605,7 +600,7 @@ class ChatCompletionResponse(_TokenIdFields):
     choices: list[ChatCompletionChoice]
     usage: UsageInfo
     prompt_logprobs: Optional[PromptLogprobs] = None
-    prompt_token_ids: Optional[list[int]] = None
+    prompt_token_ids: Optional[list[int]] = _token_ids_field()
 
 
 class _DropNone(BaseModel):
@@ -639,23 +634,23 @@ class DeltaMessage(_DropNone):
     tool_calls: Optional[list[DeltaToolCall]] = None
 
 
-class ChatCompletionStreamChoice(_TokenIdFields):
+class ChatCompletionStreamChoice(BaseModel):
     index: int
     delta: DeltaMessage
     logprobs: Optional[ChatLogprobs] = None
     finish_reason: Optional[str] = None
     stop_reason: Optional[Union[int, str]] = None
-    token_ids: Optional[list[int]] = None
+    token_ids: Optional[list[int]] = _token_ids_field()
 
 
-class ChatCompletionStreamResponse(_TokenIdFields):
+class ChatCompletionStreamResponse(BaseModel):
     id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     created: int = Field(default_factory=now_s)
     model: str
     choices: list[ChatCompletionStreamChoice]
     usage: Optional[UsageInfo] = None
-    prompt_token_ids: Optional[list[int]] = None
+    prompt_token_ids: Optional[list[int]] = _token_ids_field()
 
 
 class CompletionLogprobs(BaseModel):
@@ -665,14 +660,14 @@ class CompletionLogprobs(BaseModel):
     top_logprobs: list[Optional[dict[str, float]]] = Field(default_factory=list)
 
 
-class CompletionChoice(_TokenIdFields):
+class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: Optional[CompletionLogprobs] = None
     finish_reason: Optional[str] = None
     stop_reason: Optional[Union[int, str]] = None
-    prompt_token_ids: Optional[list[int]] = None   # (vLLM puts the prompt's ids in the choice)
-    token_ids: Optional[list[int]] = None
+    prompt_token_ids: Optional[list[int]] = _token_ids_field()   # (vLLM puts the prompt's ids in the choice)
+    token_ids: Optional[list[int]] = _token_ids_field()
 
 
 class CompletionResponseChoice(CompletionChoice):
