@@ -150,6 +150,21 @@ def test_forced_tool_choices(claude: anthropic.Anthropic, model: str) -> None:
     assert [b.type for b in none.content] == ["text"]
 
 
+def test_a_final_assistant_message_is_continued(claude: anthropic.Anthropic, client: openai.OpenAI, model: str) -> None:
+    """Anthropic's response prefill: the reply continues the final assistant message (the chat
+    endpoint's continue_final_message), and holds only what follows it."""
+    start = "The first tip is"
+    msg = claude.messages.create(model=model, messages=[*QUESTION, {"role": "assistant", "content": start}],
+                                 max_tokens=12, extra_body=GREEDY)
+    chat = client.chat.completions.create(model=model, max_tokens=12, temperature=0,
+                                          messages=[*QUESTION, {"role": "assistant", "content": start}],
+                                          extra_body={"continue_final_message": True, "add_generation_prompt": False})
+    assert msg.content[0].text == chat.choices[0].message.content
+    assert msg.usage.input_tokens + msg.usage.cache_read_input_tokens == chat.usage.prompt_tokens
+    counted = claude.messages.count_tokens(model=model, messages=[*QUESTION, {"role": "assistant", "content": start}])
+    assert counted.input_tokens == chat.usage.prompt_tokens
+
+
 def test_count_tokens_is_the_prompt_a_message_runs_on(claude: anthropic.Anthropic, model: str) -> None:
     counted = claude.messages.count_tokens(model=model, system=SYSTEM, messages=QUESTION)
     msg = claude.messages.create(model=model, system=SYSTEM, messages=QUESTION, max_tokens=1)

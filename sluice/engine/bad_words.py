@@ -3,8 +3,8 @@
 A word is banned in the token sequences it tokenizes to on its own and, where that gives a
 different first token of the same length, with a space in front (the form it takes inside a
 sentence): vLLM's rule, so a request means the same on both engines. A sequence's last token is
-forbidden whenever the output ends with the rest of it (a one-token word is forbidden always);
-only output tokens count, so a word the prompt ends in the middle of is not completed-against.
+forbidden whenever the output ends with the rest of it (a one-token word is forbidden always).
+Only output tokens count: a sequence whose first tokens end the prompt does not ban its last one.
 """
 from __future__ import annotations
 

@@ -6,7 +6,8 @@ chat completion it amounts to: `system` becomes the system message; content bloc
 messages (an assistant's `tool_use` blocks its `tool_calls`, a user's `tool_result` blocks tool
 messages ahead of the user's text, thinking blocks replayed from history are dropped); `tools`
 (`input_schema`) and `tool_choice` (`auto`, `any` = "required", `tool` = a named function, `none`,
-`disable_parallel_tool_use`) become the chat's; `stop_sequences` its `stop`;
+`disable_parallel_tool_use`) become the chat's; `stop_sequences` its `stop`; a final assistant
+message is continued (Anthropic's response prefill; vLLM 0.32 opens a new turn after it);
 `output_config.format` a `response_format`. It then goes through the chat endpoint's checks,
 template, tool parsing and structured outputs. The answer has Anthropic's shape: `text` and
 `tool_use` content blocks, `stop_reason` (`end_turn`, `max_tokens`, `stop_sequence`, `tool_use`),
@@ -177,6 +178,19 @@ def chat_messages(request: _Conversation) -> list[dict[str, Any]]:
     return out
 
 
+def prefill(request: _Conversation) -> dict[str, Any]:
+    """Anthropic's response prefill: a final assistant message (text only) is continued, not
+    followed by a new turn (the chat endpoint's `continue_final_message`); the reply is what
+    comes after it."""
+    last = request.messages[-1] if request.messages else None
+    if last is None or last.role != "assistant":
+        return {}
+    blocks = [last.content] if isinstance(last.content, str) else last.content
+    if any(not isinstance(b, str) and b.type != "text" for b in blocks):
+        return {}
+    return {"continue_final_message": True, "add_generation_prompt": False}
+
+
 def chat_tools(request: _Conversation) -> dict[str, Any]:
     """The chat request's `tools`, `tool_choice` and `parallel_tool_calls`."""
     body: dict[str, Any] = {}
@@ -332,7 +346,7 @@ class AnthropicServingMessages(OpenAIServingChat):
     async def count_tokens(self, request: CountTokensRequest) -> dict[str, Any]:
         self.check_model(request.model)
         _check_thinking(request)
-        body = {"model": request.model, "messages": chat_messages(request), **chat_tools(request)}
+        body = {"model": request.model, "messages": chat_messages(request), **chat_tools(request), **prefill(request)}
         body.pop("tool_choice", None)        # parsing the reply is not asked for: the prompt is the same
         chat = parse_request(ChatCompletionRequest, body)
         return {"input_tokens": len(self.render_chat(chat))}
@@ -352,7 +366,7 @@ class AnthropicServingMessages(OpenAIServingChat):
             max_completion_tokens=request.max_tokens, temperature=request.temperature, top_p=request.top_p,
             top_k=request.top_k, stop=request.stop_sequences, user=str(user) if user not in (None, "") else None,
             workflow_id=request.workflow_id, session_id=request.session_id, is_last_step=request.is_last_step,
-            **chat_tools(request),
+            **chat_tools(request), **prefill(request),
         )
         fmt = (request.output_config or {}).get("format")
         if fmt is not None:
