@@ -14,7 +14,7 @@ tokens on average, ~3% of a typical tool-result call's prefill).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 from sluice.engine.block_pool import Block, BlockPool

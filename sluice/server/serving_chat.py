@@ -39,6 +39,7 @@ from sluice.server.serving_base import (
     OpenAIServing,
     SSEResponse,
     api_error_from,
+    parse_request,
     raise_if_failed,
     sse_event,
 )
@@ -53,7 +54,7 @@ from sluice.server.tool_calls import (
     required_calls_schema,
     tool_call_id,
 )
-from sluice.sampling_params import StructuredOutputsParams
+from sluice.sampling_params import SamplingParams, StructuredOutputsParams
 
 
 
@@ -89,6 +90,28 @@ class OpenAIServingChat(OpenAIServing):
         response = await self._collect(request, request_id, prompt_ids, num_logprobs, streams,
                                        parse_tools)
         return Response(response.model_dump_json(), media_type="application/json")
+
+    async def prepare_translated(
+        self, body: dict[str, Any], prompt_param: str, format_param: str, param_names: dict[str, str],
+    ) -> tuple[ChatCompletionRequest, Optional[Callable[[], Any]], list[int], SamplingParams]:
+        """A request of another API (Responses, Anthropic's Messages) as the chat completion `body`
+        it amounts to: the chat endpoint's checks, template and sampling parameters, its errors
+        naming the other API's fields (`param_names`: chat field -> theirs). Returns the chat
+        request, its tool parser factory, its prompt and its sampling parameters."""
+        try:
+            chat = parse_request(ChatCompletionRequest, body)
+            self.check_request(chat)
+            parse_tools, forced = self._tool_choice(chat)
+            prompt_ids = self.truncate_prompt(chat, self.render_chat(chat))
+            self.check_prompt_ids(prompt_ids, prompt_param)
+            params = self.sampling_params(chat, len(prompt_ids), None, prompt_param=prompt_param)
+            if forced is not None:
+                params = dataclasses.replace(params, structured_outputs=forced)
+            await self.check_structured_outputs(params, "tool_choice" if forced is not None else format_param)
+        except APIError as e:
+            e.param = param_names.get(e.param, e.param)
+            raise
+        return chat, parse_tools, prompt_ids, params
 
     def _num_logprobs(self, request: ChatCompletionRequest) -> Optional[int]:
         if not request.logprobs:

@@ -22,7 +22,6 @@ Workflow identity: the X-Workflow-Id header, `workflow_id`, `session_id`, then `
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import time
 import uuid
@@ -318,19 +317,8 @@ class AnthropicServingMessages(OpenAIServingChat):
         arrival = time.monotonic()
         self.check_model(request.model)
         _check_thinking(request)
-        try:   # the chat endpoint's checks, with its errors naming this request's fields
-            chat = parse_request(ChatCompletionRequest, self._chat_body(request))
-            self.check_request(chat)
-            parse_tools, forced = self._tool_choice(chat)
-            prompt_ids = self.truncate_prompt(chat, self.render_chat(chat))
-            self.check_prompt_ids(prompt_ids, "messages")
-            params = self.sampling_params(chat, len(prompt_ids), None, prompt_param="messages")
-            if forced is not None:
-                params = dataclasses.replace(params, structured_outputs=forced)
-            await self.check_structured_outputs(params, "tool_choice" if forced is not None else "output_config")
-        except APIError as e:
-            e.param = _CHAT_PARAMS.get(e.param, e.param)
-            raise
+        chat, parse_tools, prompt_ids, params = await self.prepare_translated(
+            self._chat_body(request), "messages", "output_config", _CHAT_PARAMS)
         message_id = f"msg_{uuid.uuid4().hex[:24]}"
         streams = await self.start_streams(raw_request, [EngineCall(message_id, prompt_ids, params)],
                                            self.workflow_info(chat, raw_request), arrival)

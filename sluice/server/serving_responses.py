@@ -33,7 +33,6 @@ from starlette.responses import Response
 from sluice.outputs import CompletionOutput
 from sluice.server.protocol import (
     APIError,
-    ChatCompletionRequest,
     ResponsesRequest,
     now_s,
 )
@@ -44,7 +43,6 @@ from sluice.server.serving_base import (
     SSEResponse,
     api_error_from,
     escape_line_breaks,
-    parse_request,
     raise_if_failed,
 )
 from sluice.server.serving_chat import OpenAIServingChat
@@ -360,19 +358,8 @@ class OpenAIServingResponses(OpenAIServingChat):
         items = (previous.input_items + previous.response["output"] if previous is not None
                  else []) + input_item_objects(request.input)
         system = [{"role": "system", "content": request.instructions}] if request.instructions else []
-        try:   # the chat endpoint's checks, with its errors naming this request's fields
-            chat = parse_request(ChatCompletionRequest, self._chat_body(request, system + history + new_messages))
-            self.check_request(chat)
-            parse_tools, forced = self._tool_choice(chat)
-            prompt_ids = self.truncate_prompt(chat, self.render_chat(chat))
-            self.check_prompt_ids(prompt_ids, "input")
-            params = self.sampling_params(chat, len(prompt_ids), None, prompt_param="input")
-            if forced is not None:
-                params = dataclasses.replace(params, structured_outputs=forced)
-            await self.check_structured_outputs(params, "tool_choice" if forced is not None else "text")
-        except APIError as e:
-            e.param = _CHAT_PARAMS.get(e.param, e.param)
-            raise
+        chat, parse_tools, prompt_ids, params = await self.prepare_translated(
+            self._chat_body(request, system + history + new_messages), "input", "text", _CHAT_PARAMS)
         response_id = _item_id("resp")
         workflow = self.workflow_info(chat, raw_request)
         if not raw_request.headers.get(WORKFLOW_HEADER) and request.workflow_id is None and not request.session_id:
