@@ -415,7 +415,8 @@ def test_workflow_fields_and_unknown_fields_are_accepted(client: openai.OpenAI, 
 
 def test_session_id_names_the_workflow(server: RemoteServer, client: openai.OpenAI, model: str) -> None:
     """vLLM's `session_id` names the call's workflow (after the X-Workflow-Id header and
-    `workflow_id`, before `user`): its KV is retained for the next call, which `/load` counts."""
+    `workflow_id`, before OpenAI's `prompt_cache_key` and `user`): its KV is retained for the next
+    call, which `/load` counts."""
     def counted(*ids: str) -> int:
         return httpx.get(server.url + "/load", params={"pending": ",".join(ids)}, timeout=10).json()["pending_counted"]
 
@@ -426,9 +427,12 @@ def test_session_id_names_the_workflow(server: RemoteServer, client: openai.Open
     client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=2,
                                    extra_body={"session_id": f"{sess}-2", "workflow_id": wf})
     assert counted(wf) == 1 and counted(f"{sess}-2") == 0
-    for body in ({"session_id": sess}, {"workflow_id": wf}):   # the last step ends each workflow
+    key = f"conv-{tag}"       # OpenAI's prompt_cache_key (coding agents send their conversation's id), before user
+    client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=2, user=f"{user}-2", prompt_cache_key=key)
+    assert counted(key) == 1 and counted(f"{user}-2") == 0
+    for body in ({"session_id": sess}, {"workflow_id": wf}, {"prompt_cache_key": key}):   # the last step ends each
         client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=1, extra_body={**body, "is_last_step": True})
-    assert counted(sess, wf) == 0
+    assert counted(sess, wf, key) == 0
 
 
 # -- /tokenize and /detokenize (vLLM's endpoints), and vLLM's chat template fields --------------

@@ -126,10 +126,12 @@ def test_a_session_id_names_the_workflow_instead_of_the_chain(server: RemoteServ
     chained = client.responses.create(model=model, input="Hi", max_output_tokens=2)
     named = client.responses.create(model=model, input="Hi", max_output_tokens=2, extra_body={"session_id": "sess-r"})
     assert counted(chained.id) == 1 and counted("sess-r") == 1 and counted(named.id) == 0
-    for body in ({"session_id": "sess-r"}, {"workflow_id": chained.id}):
+    keyed = client.responses.create(model=model, input="Hi", max_output_tokens=2, prompt_cache_key="conv-r")
+    assert counted("conv-r") == 1 and counted(keyed.id) == 0    # an explicit key beats the chain
+    for body in ({"session_id": "sess-r"}, {"workflow_id": chained.id}, {"prompt_cache_key": "conv-r"}):
         client.responses.create(model=model, input="Bye", max_output_tokens=1, store=False,
                                 extra_body={**body, "is_last_step": True})
-    assert counted(chained.id, "sess-r") == 0
+    assert counted(chained.id, "sess-r", "conv-r") == 0
 
 
 def test_function_calls_and_their_outputs_as_items(client: openai.OpenAI, model: str) -> None:

@@ -194,9 +194,11 @@ class SamplingRequest(OpenAIRequestModel):
     response_format: Optional[ResponseFormat] = None
     structured_outputs: Optional[StructuredOutputsRequest] = None
     # Workflow identity: the X-Workflow-Id header, else `workflow_id`, else vLLM's `session_id`
-    # ("stable session identity shared by related requests"), else OpenAI's `user`.
+    # ("stable session identity shared by related requests"), else OpenAI's `prompt_cache_key`
+    # (which "replaces the user field"; coding agents send their conversation's id), else `user`.
     workflow_id: Optional[Union[str, int]] = None
     session_id: Optional[str] = None
+    prompt_cache_key: Optional[str] = None
     is_last_step: Optional[bool] = False
 
     @property
@@ -502,6 +504,7 @@ class ResponsesRequest(OpenAIRequestModel):
     max_tool_calls: Optional[int] = documented(minimum=1)
     workflow_id: Optional[Union[str, int]] = None
     session_id: Optional[str] = None
+    prompt_cache_key: Optional[str] = None
     is_last_step: Optional[bool] = False
 
 

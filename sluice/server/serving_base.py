@@ -440,7 +440,7 @@ class OpenAIServing:
     def workflow_info(request: SamplingRequest, raw_request: Request) -> WorkflowInfo:
         workflow_id: Optional[Union[str, int]] = raw_request.headers.get(WORKFLOW_HEADER)
         if not workflow_id:
-            for workflow_id in (request.workflow_id, request.session_id, request.user):
+            for workflow_id in (request.workflow_id, request.session_id, request.prompt_cache_key, request.user):
                 if workflow_id not in (None, ""):
                     break
         return WorkflowInfo(

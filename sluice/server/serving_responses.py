@@ -362,7 +362,8 @@ class OpenAIServingResponses(OpenAIServingChat):
             self._chat_body(request, system + history + new_messages), "input", "text", _CHAT_PARAMS)
         response_id = _item_id("resp")
         workflow = self.workflow_info(chat, raw_request)
-        if not raw_request.headers.get(WORKFLOW_HEADER) and request.workflow_id is None and not request.session_id:
+        if (not raw_request.headers.get(WORKFLOW_HEADER) and request.workflow_id is None and not request.session_id
+                and not request.prompt_cache_key):
             # the chain is the workflow: the first response's id, carried by the stored ones
             chain = previous.workflow_id if previous is not None else (response_id if request.store else None)
             if chain is not None:
@@ -421,7 +422,7 @@ class OpenAIServingResponses(OpenAIServingChat):
             model=request.model, messages=messages, n=1, stream=False,
             max_completion_tokens=request.max_output_tokens, temperature=request.temperature, top_p=request.top_p,
             parallel_tool_calls=request.parallel_tool_calls, user=request.user, workflow_id=request.workflow_id,
-            session_id=request.session_id, is_last_step=request.is_last_step,
+            session_id=request.session_id, prompt_cache_key=request.prompt_cache_key, is_last_step=request.is_last_step,
         )
         if request.tools:
             body["tools"] = [{"type": "function", "function": t.model_dump(exclude={"type", "strict"}, exclude_none=True)}
