@@ -7,6 +7,7 @@ from typing import Any, Optional, Union
 
 _MAX_LOGPROBS = 20
 MAX_CACHE_SALT_CHARS = 1024   # vLLM's OpenAI schema bound
+MAX_LOGPROB_TOKEN_IDS = 128   # each costs a pass over the vocabulary per output position
 
 
 @dataclass(frozen=True)
@@ -132,6 +133,9 @@ class SamplingParams:
     min_tokens: int = 0
     ignore_eos: bool = False
     logprobs: Optional[int] = None  # number of top logprobs per output token (0: only the chosen)
+    # vLLM's: the logprobs of these tokens at every output position, in place of the top ones
+    # (a classifier's labels, say); needs `logprobs`.
+    logprob_token_ids: Optional[list[int]] = None
     # Per prompt token after the first: its logprob under the prompt before it, plus the top
     # `prompt_logprobs` (vLLM's field; the completions API's `echo` with `logprobs` uses it). Such a
     # request computes its whole prompt: prefix-cache hits would leave positions without logits.
@@ -203,6 +207,12 @@ class SamplingParams:
             raise ValueError("bad_words must be non-empty strings")
         if self.logprobs is not None and not 0 <= self.logprobs <= _MAX_LOGPROBS:
             raise ValueError(f"logprobs must be in [0, {_MAX_LOGPROBS}]")
+        if self.logprob_token_ids is not None:
+            ids = self.logprob_token_ids
+            if not ids or len(ids) > MAX_LOGPROB_TOKEN_IDS or any(not isinstance(t, int) or t < 0 for t in ids):
+                raise ValueError(f"logprob_token_ids must be 1 to {MAX_LOGPROB_TOKEN_IDS} token ids")
+            if self.logprobs is None:
+                raise ValueError("logprob_token_ids needs logprobs")
         if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= _MAX_LOGPROBS:
             raise ValueError(f"prompt_logprobs must be in [0, {_MAX_LOGPROBS}]")
 

@@ -374,3 +374,17 @@ def test_bad_words_params_are_checked() -> None:
     for bad in ([""], ["  "], [3]):
         with pytest.raises(ValueError, match="bad_words"):
             SamplingParams(bad_words=bad)
+
+
+def test_logprob_token_ids_give_the_named_tokens_instead_of_the_top(sampler: Sampler) -> None:
+    logits = torch.tensor([[2.0, 1.0, 0.0, 3.0, -1.0]])
+    lp = torch.log_softmax(logits, dim=-1)[0]
+    params = SamplingParams(temperature=0.0, logprobs=2, logprob_token_ids=[4, 1])
+    [entry] = sampler(logits, [row(params)]).logprobs
+    assert list(entry) == [3, 4, 1]                                   # the sampled token, then the named
+    assert [(e.rank, round(e.logprob, 5)) for e in entry.values()] == [
+        (1, round(float(lp[3]), 5)), (5, round(float(lp[4]), 5)), (3, round(float(lp[1]), 5))]
+    with pytest.raises(ValueError, match="needs logprobs"):
+        SamplingParams(logprob_token_ids=[1])
+    with pytest.raises(ValueError, match="logprob_token_ids"):
+        SamplingParams(logprobs=0, logprob_token_ids=[])

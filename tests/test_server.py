@@ -343,6 +343,28 @@ def test_completion_logprobs(client: openai.OpenAI, model: str) -> None:
     assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
 
 
+def test_logprob_token_ids(server: RemoteServer, client: openai.OpenAI, model: str) -> None:
+    """vLLM's logprob_token_ids: at every output position the logprobs of the named tokens (a
+    classifier's labels), beside the sampled token's, instead of the top ones; the first
+    position's agree with the prompt logprobs of the prompt followed by each label."""
+    ids = post(server, "/tokenize", {"prompt": PROMPT})["tokens"]
+    labels = post(server, "/tokenize", {"prompt": " Berlin Paris", "add_special_tokens": False})["tokens"]
+    comp = client.completions.create(model=model, prompt=ids, max_tokens=3, logprobs=0, temperature=0,
+                                     extra_body={"logprob_token_ids": labels}).choices[0].logprobs
+    names = [post(server, "/detokenize", {"tokens": [t]})["prompt"] for t in labels]
+    for token, top in zip(comp.tokens, comp.top_logprobs):
+        assert set(top) == {token, *names}
+    for name, label in zip(names, labels):
+        scored = client.completions.create(model=model, prompt=ids + [label], max_tokens=1, temperature=0,
+                                           extra_body={"prompt_logprobs": 0}).choices[0].model_extra["prompt_logprobs"]
+        assert comp.top_logprobs[0][name] == pytest.approx(scored[-1][str(label)]["logprob"], abs=0.15)   # bf16
+    chat = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=3, temperature=0, logprobs=True,
+                                          extra_body={"logprob_token_ids": labels})
+    for entry in chat.choices[0].logprobs.content:
+        assert {t.token for t in entry.top_logprobs} == {entry.token, *names}
+        assert entry.top_logprobs[0].token == entry.token     # the sampled token first, then the named ones
+
+
 def test_echo(client: openai.OpenAI, model: str) -> None:
     resp = client.completions.create(model=model, prompt=PROMPT, max_tokens=3, echo=True, temperature=0)
     assert resp.choices[0].text.startswith(PROMPT)

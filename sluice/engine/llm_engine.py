@@ -122,7 +122,8 @@ class LLMEngine:
             raise RequestRejected("the prompt is empty", param="prompt")
         if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= self.vocab_size:
             raise RequestRejected(f"prompt token ids must be in [0, {self.vocab_size})", param="prompt")
-        for name, ids in (("logit_bias", params.logit_bias or ()), ("allowed_token_ids", params.allowed_token_ids or ())):
+        for name, ids in (("logit_bias", params.logit_bias or ()), ("allowed_token_ids", params.allowed_token_ids or ()),
+                          ("logprob_token_ids", params.logprob_token_ids or ())):
             if any(t >= self.vocab_size for t in ids):
                 raise RequestRejected(f"{name} token ids must be in [0, {self.vocab_size})", param=name)
         prompt_len = len(prompt_token_ids)

@@ -269,26 +269,38 @@ def _gather_logprobs(
     """Sampled token's logprob and 1-based rank, plus the top `params.logprobs`, per asking row."""
     wanted = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
     idx = torch.tensor(wanted, device=logprobs.device)
-    entries = logprob_entries(logprobs[idx], token_ids[idx], [rows[i].params.logprobs or 0 for i in wanted])
+    entries = logprob_entries(logprobs[idx], token_ids[idx], [rows[i].params.logprobs or 0 for i in wanted],
+                              [rows[i].params.logprob_token_ids for i in wanted])
     out: list[Optional[dict[int, Logprob]]] = [None] * len(rows)
     for i, entry in zip(wanted, entries):
         out[i] = entry
     return out
 
 
-def logprob_entries(lp: torch.Tensor, token_ids: torch.Tensor, num_top: Sequence[int]) -> list[dict[int, Logprob]]:
+def logprob_entries(lp: torch.Tensor, token_ids: torch.Tensor, num_top: Sequence[int],
+                    listed: Optional[Sequence[Optional[Sequence[int]]]] = None) -> list[dict[int, Logprob]]:
     """Per row of log-probabilities `lp` [W, V]: {token: Logprob} with `token_ids[w]`'s logprob and
     1-based rank first, then the top `num_top[w]` (sampled tokens here; the prompt's own tokens in
-    model_runner's prompt logprobs)."""
+    model_runner's prompt logprobs), or, where `listed[w]` names tokens, those tokens instead."""
     chosen = token_ids.unsqueeze(1)  # [W, 1]
     chosen_lp = lp.gather(1, chosen)  # [W, 1]
     chosen_rank = (lp > chosen_lp).sum(dim=-1) + 1  # [W]
-    top_lp, top_ids = lp.topk(max(num_top, default=0), dim=-1)  # [W, k]
+    listed = listed or [None] * len(num_top)
+    k_max = max((k for k, ids in zip(num_top, listed) if ids is None), default=0)
+    top_lp, top_ids = lp.topk(k_max, dim=-1)  # [W, k]
     out = []
-    for tid, value, rank, ids, values, k in zip(chosen.squeeze(1).tolist(), chosen_lp.squeeze(1).tolist(),
-                                                chosen_rank.tolist(), top_ids.tolist(), top_lp.tolist(), num_top):
+    for w, (tid, value, rank, ids, values, k) in enumerate(zip(
+            chosen.squeeze(1).tolist(), chosen_lp.squeeze(1).tolist(), chosen_rank.tolist(), top_ids.tolist(),
+            top_lp.tolist(), num_top)):
         entry = {tid: Logprob(tid, value, rank)}
-        for r, (t, v) in enumerate(zip(ids[:k], values[:k]), start=1):
-            entry.setdefault(t, Logprob(t, v, r))
+        if listed[w] is not None:
+            named = torch.tensor(listed[w], dtype=torch.long, device=lp.device)
+            named_lp = lp[w].index_select(0, named)                               # [n]
+            named_rank = (lp[w].unsqueeze(0) > named_lp.unsqueeze(1)).sum(dim=-1) + 1
+            for t, v, r in zip(listed[w], named_lp.tolist(), named_rank.tolist()):
+                entry.setdefault(t, Logprob(t, v, r))
+        else:
+            for r, (t, v) in enumerate(zip(ids[:k], values[:k]), start=1):
+                entry.setdefault(t, Logprob(t, v, r))
         out.append(entry)
     return out

@@ -175,6 +175,7 @@ class SamplingRequest(OpenAIRequestModel):
     stop_token_ids: Optional[list[int]] = None
     allowed_token_ids: Optional[list[int]] = None
     bad_words: Optional[list[str]] = None
+    logprob_token_ids: Optional[list[int]] = None   # vLLM's: these tokens' logprobs, not the top ones
     # vLLM's prompt truncation: keep this many prompt tokens (-1: as many as the context allows,
     # leaving one for output), the last ones unless `truncation_side` is "right".
     truncate_prompt_tokens: Optional[int] = Field(None, ge=-1, le=_INT64_MAX)
@@ -270,6 +271,7 @@ class SamplingRequest(OpenAIRequestModel):
             logit_bias={int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None,
             allowed_token_ids=list(self.allowed_token_ids) if self.allowed_token_ids is not None else None,
             bad_words=list(self.bad_words or []),
+            logprob_token_ids=list(self.logprob_token_ids) if self.logprob_token_ids is not None else None,
             cache_salt=self.cache_salt,
             priority=self.priority or 0,
         )

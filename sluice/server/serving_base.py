@@ -305,6 +305,9 @@ class OpenAIServing:
         for key in request.logit_bias or {}:   # ids; the engine bounds them by the vocabulary
             if not (key.isascii() and key.isdigit()):   # "²".isdigit() is True
                 raise APIError(400, f"logit_bias keys must be token ids, got {key!r}", param="logit_bias")
+        asked = getattr(request, "logprobs", None)     # chat: a bool; completions: a count, 0 included
+        if request.logprob_token_ids is not None and (asked is None or asked is False):
+            raise APIError(400, "logprob_token_ids needs logprobs", param="logprob_token_ids")
         if request.prompt_logprobs is not None:
             if request.stream:
                 raise APIError(400, "prompt_logprobs is not available with stream", param="prompt_logprobs")
@@ -477,7 +480,11 @@ class OpenAIServing:
         return f"token_id:{token_id}" if as_id else self.token_text(token_id)
 
     @staticmethod
-    def top_logprobs(entry: dict[int, Logprob], k: int) -> list[Logprob]:
+    def top_logprobs(entry: dict[int, Logprob], k: Optional[int]) -> list[Logprob]:
+        """The top k of an entry; k None: all of it, in its order (with `logprob_token_ids`: the
+        sampled token, then the named ones)."""
+        if k is None:
+            return list(entry.values())
         return sorted(entry.values(), key=lambda lp: lp.logprob, reverse=True)[:k]
 
     @staticmethod

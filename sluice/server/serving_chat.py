@@ -174,7 +174,8 @@ class OpenAIServingChat(OpenAIServing):
             sample = latest[index]
             logprobs = None
             if num_logprobs is not None:
-                logprobs = self._chat_logprobs(list(zip(sample.token_ids, sample.logprobs or [])), num_logprobs,
+                logprobs = self._chat_logprobs(list(zip(sample.token_ids, sample.logprobs or [])),
+                                               None if request.logprob_token_ids else num_logprobs,
                                                bool(request.return_tokens_as_token_ids))
             content, calls, parsed = sample.text, [], False
             if parse_tools is not None:
@@ -272,7 +273,8 @@ class OpenAIServingChat(OpenAIServing):
                     new_logprobs = self.new_logprobs(sample) if num_logprobs is not None else []
                     if new_logprobs:
                         text = events.pop(0) if events and isinstance(events[0], str) else ""
-                        logprobs = self._chat_logprobs(new_logprobs, num_logprobs, as_ids)
+                        logprobs = self._chat_logprobs(new_logprobs, None if request.logprob_token_ids else num_logprobs,
+                                                       as_ids)
                         yield chunk([ChatCompletionStreamChoice(
                             index=sample.index, delta=DeltaMessage(content=text), logprobs=logprobs,
                         )])
@@ -321,7 +323,7 @@ class OpenAIServingChat(OpenAIServing):
             yield sse_event(api_error_from(e).to_body())
         yield SSE_DONE
 
-    def _chat_logprobs(self, tokens: list[tuple[int, dict[int, Logprob]]], num_top: int,
+    def _chat_logprobs(self, tokens: list[tuple[int, dict[int, Logprob]]], num_top: Optional[int],
                        as_ids: bool = False) -> ChatLogprobs:
         content = []
         for token_id, entry in tokens:

@@ -81,6 +81,9 @@ class OpenAIServingCompletion(OpenAIServing):
         return Response(response.model_dump_json(), media_type="application/json")
 
     def _check_completion_fields(self, request: CompletionRequest) -> None:
+        if request.logprob_token_ids is not None and request.echo and request.logprobs is not None:
+            raise APIError(400, "logprob_token_ids cannot be combined with echo and logprobs (the prompt's "
+                           "entries hold its top logprobs)", param="logprob_token_ids")
         if request.suffix:
             raise APIError(400, "suffix is not supported", param="suffix")
         if request.best_of is not None and request.best_of != (request.n or 1):
@@ -136,7 +139,7 @@ class OpenAIServingCompletion(OpenAIServing):
             if request.logprobs is not None:
                 tokens = self._echo_logprobs(request, output) + (
                     [] if echo_only else list(zip(sample.token_ids, sample.logprobs or [])))
-                logprobs, _ = self._completion_logprobs(tokens, request.logprobs, 0,
+                logprobs, _ = self._completion_logprobs(tokens, self._num_top(request), 0,
                                                         bool(request.return_tokens_as_token_ids))
             ids = bool(request.return_token_ids)
             choices.append(CompletionResponseChoice(
@@ -206,7 +209,7 @@ class OpenAIServingCompletion(OpenAIServing):
                     logprobs = None
                     if request.logprobs is not None and echoed:
                         logprobs, text_offsets[index] = self._completion_logprobs(
-                            echoed, request.logprobs, text_offsets[index], as_ids
+                            echoed, self._num_top(request), text_offsets[index], as_ids
                         )
                     finish_reason = sample.finish_reason if sample.finish_reason != "error" else None
                     if echo_only and finish_reason:
@@ -251,8 +254,14 @@ class OpenAIServingCompletion(OpenAIServing):
             return []
         return list(zip(output.prompt_token_ids, output.prompt_logprobs))
 
+    @staticmethod
+    def _num_top(request: CompletionRequest) -> Optional[int]:
+        """Top logprobs per token: `logprobs`, or with `logprob_token_ids` every entry (the sampled
+        token and the named ones)."""
+        return None if request.logprob_token_ids else request.logprobs
+
     def _completion_logprobs(
-        self, tokens: list[tuple[int, Optional[dict[int, Logprob]]]], num_top: int, text_offset: int,
+        self, tokens: list[tuple[int, Optional[dict[int, Logprob]]]], num_top: Optional[int], text_offset: int,
         as_ids: bool = False,
     ) -> tuple[CompletionLogprobs, int]:
         """Logprobs of `tokens` in the completions format, and the text offset after them. A
