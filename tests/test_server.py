@@ -435,6 +435,25 @@ def test_workflow_fields_and_unknown_fields_are_accepted(client: openai.OpenAI, 
     assert resp.choices[0].finish_reason in ("stop", "length")
 
 
+def test_a_client_named_request_id_is_the_response_id(client: openai.OpenAI, model: str) -> None:
+    """vLLM's X-Request-Id header (or `request_id` field) names the response; the same name twice
+    at once is no clash, since the engine keeps ids of its own."""
+    import concurrent.futures
+
+    tag = uuid.uuid4().hex[:8]
+    resp = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=2,
+                                          extra_headers={"X-Request-Id": f"trace-{tag}"}, extra_body={"request_id": "x"})
+    assert resp.id == f"chatcmpl-trace-{tag}"
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        both = list(pool.map(lambda _: client.completions.create(model=model, prompt=PROMPT, max_tokens=8,
+                                                                 extra_body={"request_id": tag}), range(2)))
+    assert [r.id for r in both] == [f"cmpl-{tag}"] * 2
+    streamed = list(client.completions.create(model=model, prompt=PROMPT, max_tokens=2, stream=True,
+                                              extra_body={"request_id": tag}))
+    assert {c.id for c in streamed} == {f"cmpl-{tag}"}
+    assert client.completions.create(model=model, prompt=PROMPT, max_tokens=1).id.startswith("cmpl-")
+
+
 def test_session_id_names_the_workflow(server: RemoteServer, client: openai.OpenAI, model: str) -> None:
     """vLLM's `session_id` names the call's workflow (after the X-Workflow-Id header and
     `workflow_id`, before OpenAI's `prompt_cache_key` and `user`): its KV is retained for the next

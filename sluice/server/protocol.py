@@ -184,6 +184,9 @@ class SamplingRequest(OpenAIRequestModel):
     # the first chunk, then each chunk's new ids); logprob tokens as "token_id:<id>".
     return_token_ids: Optional[bool] = None
     return_tokens_as_token_ids: Optional[bool] = None
+    # vLLM's: the response's id is "<chatcmpl|cmpl>-<request_id>" (an `X-Request-Id` header wins),
+    # for tracing a call through proxies; the engine keeps ids of its own, so repeats do not clash.
+    request_id: Optional[str] = Field(None, min_length=1, max_length=256)
     # vLLM's: lower is scheduled first (and preempted last), ahead of the policy's own order.
     priority: Optional[int] = Field(0, ge=_INT64_MIN, le=_INT64_MAX)
     # vLLM's: KV is shared through the prefix cache only among calls of the same salt.

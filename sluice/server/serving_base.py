@@ -367,6 +367,13 @@ class OpenAIServing:
             text = _open_final_message(text, request.messages[-1].text)
         return self.tokenizer.encode(text, add_special_tokens=bool(request.add_special_tokens))
 
+    @staticmethod
+    def response_id(prefix: str, request: SamplingRequest, raw_request: Request, engine_id: str) -> str:
+        """The id a response carries: vLLM's "<prefix>-<X-Request-Id header or request_id>" when
+        the client names one, else the engine's own id."""
+        named = raw_request.headers.get("x-request-id") or request.request_id
+        return f"{prefix}-{named}" if named else engine_id
+
     def truncate_prompt(self, request: SamplingRequest, prompt_ids: list[int]) -> list[int]:
         """The prompt cut to `truncate_prompt_tokens` (vLLM's: the last ones, or with `truncation_side`
         "right" the first; -1 keeps as many as leave one token of the context for output)."""

@@ -75,10 +75,11 @@ class OpenAIServingChat(OpenAIServing):
                 raise APIError(400, str(e), param="tool_choice") from e
         await self.check_structured_outputs(
             params, "tool_choice" if forced is not None else request.structured_outputs_field)
-        request_id = random_id("chatcmpl")
+        engine_id = random_id("chatcmpl")
+        request_id = self.response_id("chatcmpl", request, raw_request, engine_id)
         streams = await self.start_streams(
             raw_request,
-            [EngineCall(request_id, prompt_ids, params)],
+            [EngineCall(engine_id, prompt_ids, params)],
             self.workflow_info(request, raw_request),
             arrival,
         )

@@ -51,7 +51,8 @@ class OpenAIServingCompletion(OpenAIServing):
         self.check_request(request)
         self._check_completion_fields(request)
         prompts = self._tokenize(request)
-        request_id = random_id("cmpl")
+        engine_id = random_id("cmpl")
+        request_id = self.response_id("cmpl", request, raw_request, engine_id)
         # `echo` with `logprobs` scores the prompt too (OpenAI's legacy API; what evaluation
         # harnesses send), and with `max_tokens: 0` returns only the prompt (one token is still
         # generated: the engine samples at the end of every prompt).
@@ -60,7 +61,7 @@ class OpenAIServingCompletion(OpenAIServing):
             prompt_logprobs = max(request.logprobs, prompt_logprobs or 0)
         calls = [
             EngineCall(
-                request_id if len(prompts) == 1 else f"{request_id}-{i}",
+                engine_id if len(prompts) == 1 else f"{engine_id}-{i}",
                 prompt.token_ids,
                 self.sampling_params(
                     request, len(prompt.token_ids), request.logprobs, prompt_param="prompt",
