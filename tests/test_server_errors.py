@@ -72,6 +72,7 @@ BAD_CHAT = {
     "beam_search": (chat(use_beam_search=True), "use_beam_search"),
     "logprob_token_ids_without_logprobs": (chat(logprob_token_ids=[5]), "logprob_token_ids"),
     "logprob_token_ids_out_of_vocab": (chat(logprobs=True, logprob_token_ids=[49152]), "logprob_token_ids"),
+    "request_id_too_long": (chat(request_id="r" * 257), "request_id"),
     "priority_not_an_integer": (chat(priority="high"), "priority"),
     "cache_salt_empty": (chat(cache_salt=""), "cache_salt"),
     "cache_salt_too_long": (chat(cache_salt="s" * 1025), "cache_salt"),
@@ -184,6 +185,12 @@ def test_bad_chat_request(http: httpx.Client, body: dict[str, Any], param: Optio
 @pytest.mark.parametrize("body,param", BAD_COMPLETION.values(), ids=BAD_COMPLETION.keys())
 def test_bad_completion_request(http: httpx.Client, body: dict[str, Any], param: Optional[str]) -> None:
     assert_openai_error(http.post("/completions", json=body), 400, param=param)
+
+
+def test_a_request_id_header_past_its_bound_is_a_400(http: httpx.Client) -> None:
+    resp = http.post("/completions", json=completion(), headers={"X-Request-Id": "x" * 257})
+    assert_openai_error(resp, 400, param="X-Request-Id")
+    assert http.post("/completions", json=completion(), headers={"X-Request-Id": "x" * 256}).status_code == 200
 
 
 def test_context_length_errors_carry_a_code(http: httpx.Client) -> None:

@@ -31,6 +31,7 @@ MIN_LOGPROB = -9999.0  # stands for -inf, which JSON cannot carry
 logger = logging.getLogger(__name__)
 
 WORKFLOW_HEADER = "x-workflow-id"
+MAX_REQUEST_ID_CHARS = 256   # a client's name for its response (X-Request-Id, `request_id`)
 RequestModel = TypeVar("RequestModel", bound=BaseModel)
 
 
@@ -372,6 +373,8 @@ class OpenAIServing:
         """The id a response carries: vLLM's "<prefix>-<X-Request-Id header or request_id>" when
         the client names one, else the engine's own id."""
         named = raw_request.headers.get("x-request-id") or request.request_id
+        if named and len(named) > MAX_REQUEST_ID_CHARS:   # it is repeated in every streamed chunk
+            raise APIError(400, f"X-Request-Id must be at most {MAX_REQUEST_ID_CHARS} characters", param="X-Request-Id")
         return f"{prefix}-{named}" if named else engine_id
 
     def truncate_prompt(self, request: SamplingRequest, prompt_ids: list[int]) -> list[int]:
