@@ -48,7 +48,7 @@ from sluice.server.protocol import (
 from sluice.server.serving_base import ClientDisconnected, api_error_from, parse_request, validation_error
 from sluice.server.serving_chat import OpenAIServingChat
 from sluice.server.serving_completion import OpenAIServingCompletion
-from sluice.server.serving_messages import AnthropicServingMessages, CountTokensRequest, MessagesRequest, anthropic_error_body
+from sluice.server.serving_messages import AnthropicServingMessages, CountTokensRequest, MessagesRequest, error_body
 from sluice.server.serving_responses import OpenAIServingResponses
 from sluice.server.serving_tokenize import OpenAIServingTokenization, tokenize_request_model
 
@@ -65,14 +65,9 @@ def served_model_name(model_path: str, server_config: ServerConfig) -> str:
     return path.stem if path.suffix == ".gguf" else path.name
 
 
-def error_response(error: APIError, raw_request: Optional[Request] = None) -> JSONResponse:
+def error_response(error: APIError, raw_request: Request) -> JSONResponse:
     """The error in OpenAI's shape, or in Anthropic's for its Messages API (/v1/messages...)."""
-    if raw_request is not None and raw_request.url.path.startswith(MESSAGES_PATH):
-        return JSONResponse(anthropic_error_body(error), status_code=error.status_code, headers=error.headers)
-    return JSONResponse(error.to_body().model_dump(), status_code=error.status_code, headers=error.headers)
-
-
-MESSAGES_PATH = "/v1/messages"
+    return JSONResponse(error_body(error, raw_request.url.path), status_code=error.status_code, headers=error.headers)
 
 
 async def read_json_body(raw_request: Request, max_bytes: int) -> Any:

@@ -32,7 +32,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from sluice.engine.async_engine import AsyncEngine
 from sluice.engine.scheduler import SchedulerOutput
 from sluice.server.protocol import APIError
-from sluice.server.serving_messages import anthropic_error_body
+from sluice.server.serving_messages import error_body
 
 logger = logging.getLogger(__name__)
 
@@ -129,9 +129,8 @@ class LifecycleMiddleware:
         lifecycle = self.lifecycle
         if not lifecycle.accepting:
             error = lifecycle.refusal()
-            body = (anthropic_error_body(error) if scope["path"].startswith("/v1/messages")
-                    else error.to_body().model_dump())
-            response = JSONResponse(body, status_code=error.status_code, headers=error.headers)
+            response = JSONResponse(error_body(error, scope["path"]), status_code=error.status_code,
+                                    headers=error.headers)
             await response(scope, receive, send)
             return
         lifecycle.in_flight += 1

@@ -225,15 +225,18 @@ class OpenAIServingChat(OpenAIServing):
         as_ids = bool(request.return_tokens_as_token_ids)
 
         continuous = request.continuous_usage
-        so_far = [0]   # prefix-cache hits, once known
+
+        def usage_so_far() -> UsageInfo:
+            return UsageInfo.of(prompt_len, sum(len(s.token_ids) for s in latest.values()), cached_tokens)
 
         def chunk(choices: list[ChatCompletionStreamChoice], usage: Optional[UsageInfo] = None,
                   first: bool = False) -> str:
             if continuous and usage is None:
-                usage = UsageInfo.of(prompt_len, sum(len(s.token_ids) for s in latest.values()), so_far[0])
+                usage = usage_so_far()
             if ids:
                 for c in choices:
-                    c.token_ids = pending_ids.pop(c.index, None) if c.index in pending_ids else c.token_ids
+                    if c.index in pending_ids:
+                        c.token_ids = pending_ids.pop(c.index)
             return sse_event(ChatCompletionStreamResponse(
                 id=request_id, created=created, model=self.model_name, choices=choices, usage=usage,
                 prompt_token_ids=list(prompt_ids) if ids and first else None,
@@ -245,7 +248,7 @@ class OpenAIServingChat(OpenAIServing):
         parsers: dict[int, Any] = {}                     # per choice, when parsing tool calls
         num_calls: dict[int, int] = {}                   # per choice: parsed tool calls sent
         named_call: set[int] = set()                     # choices whose named call has begun
-        cached_tokens = 0
+        cached_tokens = 0                                # the prefix-cache hits, once known
         try:
             for index in range(n):
                 yield chunk([ChatCompletionStreamChoice(index=index, delta=DeltaMessage(role="assistant", content=""))],
@@ -254,7 +257,7 @@ class OpenAIServingChat(OpenAIServing):
                 for index in range(n):
                     yield chunk([ChatCompletionStreamChoice(index=index, delta=DeltaMessage(content=request.echoed_text))])
             async for _, output in streams:
-                so_far[0] = output.num_cached_tokens
+                cached_tokens = output.num_cached_tokens
                 for sample in output.outputs:
                     latest[sample.index] = sample
                     if sample.index in finished:
@@ -315,11 +318,9 @@ class OpenAIServingChat(OpenAIServing):
                             stop_reason=sample.stop_reason,
                         )])
                 if output.finished:
-                    cached_tokens = output.num_cached_tokens
                     raise_if_failed(output)
             if request.include_usage:
-                completion_tokens = sum(len(s.token_ids) for s in latest.values())
-                yield chunk([], usage=UsageInfo.of(prompt_len, completion_tokens, cached_tokens))
+                yield chunk([], usage=usage_so_far())
         except Exception as e:
             yield sse_event(api_error_from(e).to_body())
         yield SSE_DONE

@@ -170,11 +170,14 @@ class OpenAIServingCompletion(OpenAIServing):
     ) -> AsyncIterator[str]:
         created = now_s()
         continuous = request.continuous_usage
-        hits: dict[int, int] = {}   # per call: its prefix-cache hits
+        hits: dict[int, int] = {}   # per call: its prefix-cache hits, once known
+
+        def usage_so_far() -> UsageInfo:
+            return self._usage(prompts, latest.values(), sum(hits.values()))
 
         def chunk(choices: list[CompletionChoice], usage: Optional[UsageInfo] = None) -> str:
             if continuous and usage is None:
-                usage = self._usage(prompts, latest.values(), sum(hits.values()))
+                usage = usage_so_far()
             return sse_event(CompletionResponse(
                 id=request_id, created=created, model=self.model_name, choices=choices, usage=usage,
             ))
@@ -183,7 +186,6 @@ class OpenAIServingCompletion(OpenAIServing):
         finished: set[int] = set()
         text_offsets: dict[int, int] = {}
         text_chunk: dict[int, TextChunkTemplate] = {}   # per choice: its text-only chunk
-        cached_tokens = 0
         echo_only = self._echo_only(request)
         # return_token_ids: a choice's first chunk carries its prompt's ids, and every chunk the
         # ids generated since the choice's previous chunk.
@@ -235,10 +237,9 @@ class OpenAIServingCompletion(OpenAIServing):
                             stop_reason=sample.stop_reason if finish_reason and not echo_only else None,
                         )])
                 if output.finished:
-                    cached_tokens += output.num_cached_tokens
                     raise_if_failed(output)
             if request.include_usage:
-                yield chunk([], usage=self._usage(prompts, latest.values(), cached_tokens))
+                yield chunk([], usage=usage_so_far())
         except Exception as e:
             yield sse_event(api_error_from(e).to_body())
         yield SSE_DONE

@@ -43,7 +43,7 @@ from sluice.server.serving_base import (
     raise_if_failed,
 )
 from sluice.server.serving_chat import OpenAIServingChat
-from sluice.server.tool_calls import ArgumentsDelta, ParsedToolCall, sample_events
+from sluice.server.tool_calls import ReplyParts, sample_events
 
 # A chat field named in an error -> the Messages field it came from.
 _CHAT_PARAMS = {"max_completion_tokens": "max_tokens", "stop": "stop_sequences", "response_format": "output_config"}
@@ -54,9 +54,18 @@ _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: 
                 503: "overloaded_error", 529: "overloaded_error"}
 
 
+MESSAGES_PATH = "/v1/messages"
+
+
 def anthropic_error_body(error: APIError) -> dict[str, Any]:
     kind = _ERROR_TYPES.get(error.status_code, "api_error" if error.status_code >= 500 else "invalid_request_error")
     return {"type": "error", "error": {"type": kind, "message": error.message}}
+
+
+def error_body(error: APIError, path: str) -> dict[str, Any]:
+    """An error's body for a request to `path`: Anthropic's shape on its Messages API (/v1/messages
+    and below), OpenAI's everywhere else."""
+    return anthropic_error_body(error) if path.startswith(MESSAGES_PATH) else error.to_body().model_dump()
 
 
 # --- requests ------------------------------------------------------------------------------------
@@ -124,7 +133,7 @@ class CountTokensRequest(_Conversation):
 
 # --- the translation -----------------------------------------------------------------------------
 
-def _text_of(blocks: Union[str, list[ContentBlock], list[dict[str, Any]], None], where: str) -> str:
+def _text_of(blocks: Union[str, list[ContentBlock], list[dict[str, Any]], None], where: str, param: str) -> str:
     """The text of a system prompt or a tool result: a string, or text blocks joined by lines."""
     if blocks is None or isinstance(blocks, str):
         return blocks or ""
@@ -133,7 +142,7 @@ def _text_of(blocks: Union[str, list[ContentBlock], list[dict[str, Any]], None],
         kind, text = (block.get("type"), block.get("text")) if isinstance(block, dict) else (block.type, block.text)
         if kind != "text":
             raise APIError(400, f"{where}: content blocks of type {kind!r} are not supported (text only)",
-                           param="messages" if where != "system" else "system")
+                           param=param)
         texts.append(text or "")
     return "\n".join(texts)
 
@@ -141,7 +150,7 @@ def _text_of(blocks: Union[str, list[ContentBlock], list[dict[str, Any]], None],
 def chat_messages(request: _Conversation) -> list[dict[str, Any]]:
     """The chat messages a Messages conversation amounts to."""
     out: list[dict[str, Any]] = []
-    system = _text_of(request.system, "system")
+    system = _text_of(request.system, "system", "system")
     if system:
         out.append({"role": "system", "content": system})
     for i, message in enumerate(request.messages):
@@ -162,7 +171,7 @@ def chat_messages(request: _Conversation) -> list[dict[str, Any]]:
             elif kind == "tool_result" and message.role == "user":
                 # ahead of the user's own text: the results answer the assistant's calls just before
                 out.append({"role": "tool", "tool_call_id": block.tool_use_id or "",
-                            "content": _text_of(block.content, f"messages[{i}] tool_result")})
+                            "content": _text_of(block.content, f"messages[{i}] tool_result", "messages")})
             elif kind in ("thinking", "redacted_thinking") and message.role == "assistant":
                 continue            # this model does not reason; replayed thinking is not prompt text
             else:
@@ -234,61 +243,35 @@ def stop_reason(sample: CompletionOutput, called: bool) -> tuple[Optional[str], 
     return ("tool_use" if called else "end_turn"), None
 
 
-class ContentBlocks:
-    """The content blocks of one reply, built from the tool parser's events (text, whole calls,
-    argument fragments of a named call) as they come; each method returns the stream events it
-    causes. Whitespace-only text is held until more text comes, so a reply that only calls tools
-    has no empty text block."""
+class ContentBlocks(ReplyParts):
+    """The content blocks of one reply (`text`, `tool_use`), built from its parser's events as
+    they come (ReplyParts); each method returns the stream events it causes."""
+
+    TEXT = "text"
+    CALL = "tool_use"
 
     def __init__(self, max_calls: Optional[int]) -> None:
-        self.blocks: list[dict[str, Any]] = []
-        self._open: Optional[dict[str, Any]] = None
+        super().__init__(max_calls)
         self._json = ""                # the open tool_use block's arguments so far
-        self._blank = ""
-        self._max_calls = max_calls
-        self.calls = 0
 
-    def add(self, event: Any) -> list[dict[str, Any]]:
-        if isinstance(event, str):
-            if self._open is None or self._open["type"] != "text":
-                if not (self._blank + event).strip():
-                    self._blank += event
-                    return []
-                event, self._blank = self._blank + event, ""
-                out = self._start({"type": "text", "text": ""})
-            else:
-                out = []
-            self._open["text"] += event
-            return out + [self._delta({"type": "text_delta", "text": event})]
-        if isinstance(event, ParsedToolCall):
-            if self._max_calls is not None and self.calls >= self._max_calls:
-                return []
-            return self._start_call(event.name) + self._arguments(event.arguments) + self._stop()
-        if isinstance(event, ArgumentsDelta):
-            opened = self._open is not None and self._open["type"] == "tool_use"
-            return ([] if opened else self._start_call(event.name)) + self._arguments(event.text)
-        raise TypeError(f"unexpected parser event {event!r}")
+    @property
+    def blocks(self) -> list[dict[str, Any]]:
+        return self.parts
 
-    def finish(self) -> list[dict[str, Any]]:
-        """Closes the open block; a reply with no block at all gets its (possibly empty) text."""
-        if not self.blocks:
-            out = self._start({"type": "text", "text": ""})
-            if self._blank:
-                self._open["text"] += self._blank
-                out.append(self._delta({"type": "text_delta", "text": self._blank}))
-            return out + self._stop()
-        return self._stop()
+    def _open_part(self, block: dict[str, Any]) -> list[dict[str, Any]]:
+        return super()._open_part(block) + [
+            {"type": "content_block_start", "index": len(self.blocks) - 1, "content_block": dict(block)}]
 
-    def _start(self, block: dict[str, Any]) -> list[dict[str, Any]]:
-        out = self._stop()
-        self.blocks.append(block)
-        self._open = block
-        return out + [{"type": "content_block_start", "index": len(self.blocks) - 1, "content_block": dict(block)}]
+    def _open_text(self) -> list[dict[str, Any]]:
+        return self._open_part({"type": "text", "text": ""})
 
-    def _start_call(self, name: str) -> list[dict[str, Any]]:
-        self.calls += 1
+    def _text(self, text: str) -> list[dict[str, Any]]:
+        self._open["text"] += text
+        return [self._delta({"type": "text_delta", "text": text})]
+
+    def _open_call(self, name: str) -> list[dict[str, Any]]:
         self._json = ""
-        return self._start({"type": "tool_use", "id": f"toolu_{uuid.uuid4().hex[:24]}", "name": name, "input": {}})
+        return self._open_part({"type": "tool_use", "id": f"toolu_{uuid.uuid4().hex[:24]}", "name": name, "input": {}})
 
     def _arguments(self, text: str) -> list[dict[str, Any]]:
         self._json += text
@@ -297,7 +280,7 @@ class ContentBlocks:
     def _delta(self, delta: dict[str, Any]) -> dict[str, Any]:
         return {"type": "content_block_delta", "index": len(self.blocks) - 1, "delta": delta}
 
-    def _stop(self) -> list[dict[str, Any]]:
+    def _close(self, status: str) -> list[dict[str, Any]]:
         block, self._open = self._open, None
         if block is None:
             return []

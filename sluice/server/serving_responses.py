@@ -46,7 +46,7 @@ from sluice.server.serving_base import (
     raise_if_failed,
 )
 from sluice.server.serving_chat import OpenAIServingChat
-from sluice.server.tool_calls import ArgumentsDelta, ParsedToolCall, sample_events, tool_call_id
+from sluice.server.tool_calls import ReplyParts, sample_events, tool_call_id
 
 INPUT_ROLES = ("user", "system", "developer", "assistant")
 
@@ -220,67 +220,30 @@ def output_message(items: list[dict[str, Any]]) -> dict[str, Any]:
 
 # --- output items, built from the parser's events ------------------------------------------------
 
-class OutputItems:
-    """The output items of one reply, built from its events (text strings, whole tool calls,
-    argument fragments of a named call) as they come; each method returns the stream events it
-    causes, as (type, fields) pairs. Text that is only whitespace is held until more text comes,
-    so a reply that only calls tools has no empty message item."""
+class OutputItems(ReplyParts):
+    """The output items of one reply (an assistant `message`, `function_call`s), built from its
+    parser's events as they come (ReplyParts); each method returns the stream events it causes,
+    as (type, fields) pairs."""
 
-    def __init__(self, max_calls: Optional[int]) -> None:
-        self.items: list[dict[str, Any]] = []
-        self._open: Optional[dict[str, Any]] = None     # the item being generated
-        self._blank = ""                                 # held whitespace
-        self._max_calls = max_calls
-        self._calls = 0
+    TEXT = "message"
+    CALL = "function_call"
 
-    def add(self, event: Any) -> list[tuple[str, dict[str, Any]]]:
-        if isinstance(event, str):
-            return self._text(event)
-        if isinstance(event, ParsedToolCall):
-            if self._max_calls is not None and self._calls >= self._max_calls:
-                return []
-            return self._open_call(event.name) + self._arguments(event.arguments) + self._close("completed")
-        if isinstance(event, ArgumentsDelta):
-            opened = self._open is not None and self._open["type"] == "function_call"
-            return ([] if opened else self._open_call(event.name)) + self._arguments(event.text)
-        raise TypeError(f"unexpected parser event {event!r}")
+    @property
+    def items(self) -> list[dict[str, Any]]:
+        return self.parts
 
-    def finish(self, status: str) -> list[tuple[str, dict[str, Any]]]:
-        """Closes the open item with `status` ("completed" or "incomplete"); a reply with no item
-        at all gets its (possibly empty) text as a message."""
-        if not self.items:
-            out = self._open_message()
-            out += self._delta(self._blank) if self._blank else []
-            self._blank = ""
-            return out + self._close(status)
-        return self._close(status)
-
-    # -- internals --
-
-    def _text(self, text: str) -> list[tuple[str, dict[str, Any]]]:
-        if self._open is None or self._open["type"] != "message":
-            if not (self._blank + text).strip():
-                self._blank += text
-                return []
-            out = self._open_message()
-            text, self._blank = self._blank + text, ""
-            return out + self._delta(text)
-        return self._delta(text)
-
-    def _open_item(self, item: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    def _open_part(self, item: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
         """Closes the open item (completed) and opens `item` after it."""
-        out = self._close("completed")
-        self.items.append(item)
-        self._open = item
-        return out + [("response.output_item.added", {"output_index": len(self.items) - 1, "item": _copy(item)})]
+        return super()._open_part(item) + [
+            ("response.output_item.added", {"output_index": len(self.items) - 1, "item": _copy(item)})]
 
-    def _open_message(self) -> list[tuple[str, dict[str, Any]]]:
+    def _open_text(self) -> list[tuple[str, dict[str, Any]]]:
         item = {"type": "message", "id": _item_id("msg"), "status": "in_progress", "role": "assistant",
                 "content": []}
-        return self._open_item(item) + [("response.content_part.added", {
+        return self._open_part(item) + [("response.content_part.added", {
             "item_id": item["id"], "output_index": len(self.items) - 1, "content_index": 0, "part": _text_part("")})]
 
-    def _delta(self, text: str) -> list[tuple[str, dict[str, Any]]]:
+    def _text(self, text: str) -> list[tuple[str, dict[str, Any]]]:
         item = self._open
         assert item is not None and item["type"] == "message"
         if not item["content"]:
@@ -290,8 +253,7 @@ class OutputItems:
                                                 "content_index": 0, "delta": text, "logprobs": []})]
 
     def _open_call(self, name: str) -> list[tuple[str, dict[str, Any]]]:
-        self._calls += 1
-        return self._open_item({"type": "function_call", "id": _item_id("fc"), "call_id": tool_call_id(),
+        return self._open_part({"type": "function_call", "id": _item_id("fc"), "call_id": tool_call_id(),
                                 "name": name, "arguments": "", "status": "in_progress"})
 
     def _arguments(self, text: str) -> list[tuple[str, dict[str, Any]]]:

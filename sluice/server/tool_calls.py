@@ -270,6 +270,85 @@ class RequiredCallsStream:
 
 # --- prompting ------------------------------------------------------------------------------------
 
+class ReplyParts:
+    """The parts of one reply (text and tool calls), built from a parser's events (text strings,
+    whole `ParsedToolCall`s, a named call's `ArgumentsDelta`s) as they come; `add` and `finish`
+    return the stream events each causes. Whitespace-only text is held until more text comes, so a
+    reply that only calls tools has no empty text part; calls past `max_calls` are dropped.
+
+    An API's shapes come from a subclass: `TEXT` and `CALL` (the `type` of its text and call
+    parts), `_open_text()`, `_text(text)`, `_open_call(name)`, `_arguments(text)` and
+    `_close(status)`, each returning stream events; `_open_part(part)` opens a part after closing
+    the open one."""
+
+    TEXT = "text"
+    CALL = "call"
+
+    def __init__(self, max_calls: Optional[int]) -> None:
+        self.parts: list[dict[str, Any]] = []
+        self._open: Optional[dict[str, Any]] = None     # the part being generated
+        self._blank = ""                                 # held whitespace
+        self._max_calls = max_calls
+        self.calls = 0
+
+    def add(self, event: Any) -> list[Any]:
+        if isinstance(event, str):
+            if self._open_type() == self.TEXT:
+                return self._text(event)
+            if not (self._blank + event).strip():
+                self._blank += event
+                return []
+            event, self._blank = self._blank + event, ""
+            return self._open_text() + self._text(event)
+        if isinstance(event, ParsedToolCall):
+            if self._max_calls is not None and self.calls >= self._max_calls:
+                return []
+            return self._start_call(event.name) + self._arguments(event.arguments) + self._close("completed")
+        if isinstance(event, ArgumentsDelta):
+            opened = self._open_type() == self.CALL
+            return ([] if opened else self._start_call(event.name)) + self._arguments(event.text)
+        raise TypeError(f"unexpected parser event {event!r}")
+
+    def finish(self, status: str = "completed") -> list[Any]:
+        """Closes the open part with `status`; a reply with no part at all gets its (possibly
+        empty) text."""
+        if self.parts:
+            return self._close(status)
+        out = self._open_text()
+        if self._blank:
+            out += self._text(self._blank)
+            self._blank = ""
+        return out + self._close(status)
+
+    def _open_type(self) -> Optional[str]:
+        return self._open["type"] if self._open is not None else None
+
+    def _open_part(self, part: dict[str, Any]) -> list[Any]:
+        out = self._close("completed")
+        self.parts.append(part)
+        self._open = part
+        return out
+
+    def _start_call(self, name: str) -> list[Any]:
+        self.calls += 1
+        return self._open_call(name)
+
+    def _open_text(self) -> list[Any]:
+        raise NotImplementedError
+
+    def _text(self, text: str) -> list[Any]:
+        raise NotImplementedError
+
+    def _open_call(self, name: str) -> list[Any]:
+        raise NotImplementedError
+
+    def _arguments(self, text: str) -> list[Any]:
+        raise NotImplementedError
+
+    def _close(self, status: str) -> list[Any]:
+        raise NotImplementedError
+
+
 def template_handles_tools(template_source: Optional[str]) -> bool:
     """Whether a chat template renders `tools` itself (HF templates that support tool use read the
     `tools` variable); otherwise sluice writes them into the messages (`messages_with_tools`)."""
