@@ -62,6 +62,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stall-timeout", type=float, default=30.0, metavar="SECONDS",
                    help="calls the engine schedules nothing for this long (a scheduler fault) end with a 500 "
                         "instead of waiting forever (default 30)")
+    p.add_argument("--stream-interval", type=int, default=1, metavar="N",
+                   help="streamed calls get their tokens in chunks of at least N (the first and the last "
+                        "chunk go at once); a call's own `stream_interval` may raise it (default 1)")
     p.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads (default: all cores)")
     p.add_argument("--no-huge-pages", dest="huge_pages", action="store_false",
                    help="keep weights and KV cache on ordinary pages (default: transparent huge pages "
@@ -215,6 +218,7 @@ def build_engine_config(args: argparse.Namespace):
         step_trace_path=args.step_trace,
         speculative=parse_speculative_config(args.speculative_config),
         stall_timeout_s=args.stall_timeout,
+        stream_interval=args.stream_interval,
     )
 
 

@@ -221,9 +221,15 @@ class EngineConfig:
     # Steps that schedule nothing while requests are unfinished, for this long, end those requests
     # with an error instead of leaving them waiting forever (a scheduler fault; see LLMEngine.step).
     stall_timeout_s: float = 30.0
+    # vLLM's `--stream-interval`: a request's outputs carry at least this many new tokens each,
+    # save its first and its last (fewer, larger stream chunks: less work per token for the
+    # server and the client); a request's own `stream_interval` may raise it.
+    stream_interval: int = 1
 
     def __post_init__(self) -> None:
         check_weight_format(self.weight_format)
+        if self.stream_interval < 1:
+            raise ValueError("the stream interval must be at least 1")
         if not self.stall_timeout_s > 0:
             raise ValueError("the stall timeout must be a positive number of seconds")
 

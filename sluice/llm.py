@@ -1,6 +1,7 @@
 """The offline API: `LLM(model).generate(prompts, params)`."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from pathlib import Path
 from typing import Optional, Sequence, Union
@@ -11,7 +12,7 @@ from sluice.config import CacheConfig, EngineConfig, SchedulerConfig, Speculativ
 from sluice.engine.llm_engine import LLMEngine
 from sluice.model.loader import load_model_config, resolve_model_path
 from sluice.outputs import RequestOutput
-from sluice.sampling_params import SamplingParams
+from sluice.sampling_params import STREAM_FINAL_ONLY, SamplingParams
 
 Prompt = Union[str, list[int]]
 
@@ -69,6 +70,8 @@ class LLM:
         for prompt, p in zip(prompts, plist, strict=True):
             rid = f"offline-{next(self._ids)}"
             tokens = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+            if p.stream_interval is None:   # only the final outputs are read: no output per step
+                p = dataclasses.replace(p, stream_interval=STREAM_FINAL_ONLY)
             self.engine.add_request(rid, tokens, p)
             ids.append(rid)
         final: dict[str, RequestOutput] = {}

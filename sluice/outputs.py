@@ -20,7 +20,7 @@ class CompletionOutput:
     cumulative_logprob: Optional[float] = None
     # One entry per output token: the sampled token's logprob plus the top ones.
     logprobs: Optional[list[dict[int, Logprob]]] = None
-    finish_reason: Optional[str] = None  # "stop", "length", "abort", "error" or None while running
+    finish_reason: Optional[str] = None  # "stop", "length", "repetition", "abort", "error"; None while running
     stop_reason: Optional[int | str] = None
     text_delta: str = ""               # text added since the previous output of this sample
     num_new_tokens: int = 0            # token ids added since the previous output of this sample
@@ -42,3 +42,6 @@ class RequestOutput:
     # SamplingParams.prompt_logprobs: per prompt token, None for the first, else its {token:
     # Logprob} (the token itself plus the top ones); set once the whole prompt has been computed.
     prompt_logprobs: Optional[list[Optional[dict[int, Logprob]]]] = None
+    # When (engine clock) each step whose tokens this output carries ran: one time per output at
+    # stream interval 1; several where outputs were coalesced (stream_interval, non-streamed calls).
+    token_times: list[float] = field(default_factory=list)

@@ -8,6 +8,9 @@ from typing import Any, Optional, Union
 _MAX_LOGPROBS = 20
 MAX_CACHE_SALT_CHARS = 1024   # vLLM's OpenAI schema bound
 MAX_LOGPROB_TOKEN_IDS = 128   # each costs a pass over the vocabulary per output position
+# A stream interval no output reaches: only a request's first output and its last (the server's
+# non-streamed calls, which read only the end, skip building an output per step).
+STREAM_FINAL_ONLY = 1 << 62
 
 
 @dataclass(frozen=True)
@@ -116,6 +119,60 @@ def _closed_objects(schema: Any) -> Any:
     return out
 
 
+@dataclass(frozen=True)
+class RepetitionDetectionParams:
+    """vLLM's `repetition_detection`: generation ends (finish reason "repetition") once the output
+    ends with a pattern of `min_pattern_size` to `max_pattern_size` tokens repeated `min_count`
+    times in a row, e.g. "abcabcabc" for pattern 3 and count 3 (a model stuck in a loop, which
+    would otherwise run to max_tokens). `max_pattern_size` 0 turns it off."""
+
+    max_pattern_size: int = 0
+    min_pattern_size: int = 0       # 0: 1
+    min_count: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("max_pattern_size", "min_pattern_size", "min_count"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"repetition_detection.{name} must be an integer")
+        if self.max_pattern_size < 0 or self.min_pattern_size < 0 or self.min_pattern_size > self.max_pattern_size:
+            raise ValueError("repetition_detection: max_pattern_size and min_pattern_size must be >= 0, with "
+                             "min_pattern_size <= max_pattern_size (both 0 turns detection off)")
+        if self.max_pattern_size > 0 and self.min_count < 2:
+            raise ValueError("repetition_detection.min_count must be at least 2 (or max_pattern_size 0 to "
+                             "turn detection off)")
+
+    @property
+    def enabled(self) -> bool:
+        return self.max_pattern_size > 0
+
+    def repeats(self, tokens: list[int]) -> bool:
+        """Whether `tokens` ends with some pattern of an allowed size repeated `min_count` times:
+        its last min_count * L tokens are L-periodic. Candidate periods are where the last token
+        occurred before (found by `list.index`, at C speed); each is checked at the other
+        repetitions' last tokens before one slice comparison settles it."""
+        if not self.enabled:
+            return False
+        n, count = len(tokens), self.min_count
+        lo = max(1, self.min_pattern_size)
+        hi = min(self.max_pattern_size, n // count)
+        if hi < lo:
+            return False
+        last = tokens[-1]
+        j = n - 1 - hi                          # period L = n - 1 - j, from hi down to lo
+        stop = n - lo                           # exclusive bound of j
+        while True:
+            try:
+                j = tokens.index(last, j, stop)
+            except ValueError:
+                return False
+            period = n - 1 - j
+            if all(tokens[n - 1 - k * period] == last for k in range(2, count)) \
+                    and tokens[n - count * period:n - period] == tokens[n - (count - 1) * period:]:
+                return True
+            j += 1
+
+
 @dataclass
 class SamplingParams:
     n: int = 1
@@ -156,6 +213,11 @@ class SamplingParams:
     # policy, and preempted last (vLLM needs `--scheduling-policy priority`; both of sluice's
     # policies honour it). The default 0 leaves the policy's order as it is.
     priority: int = 0
+    # vLLM's: end generation once the output repeats a pattern (RepetitionDetectionParams).
+    repetition_detection: Optional[RepetitionDetectionParams] = None
+    # vLLM's: a streamed request's outputs carry at least this many new tokens each (the first and
+    # the last go out at once); the engine's `stream_interval` is the floor. None: the engine's.
+    stream_interval: Optional[int] = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -165,6 +227,8 @@ class SamplingParams:
         if isinstance(self.bad_words, str):
             self.bad_words = [self.bad_words]
         self.bad_words = list(self.bad_words or [])
+        if isinstance(self.repetition_detection, dict):
+            self.repetition_detection = RepetitionDetectionParams(**self.repetition_detection)
         self.validate()
 
     def validate(self) -> None:
@@ -213,6 +277,10 @@ class SamplingParams:
                 raise ValueError(f"logprob_token_ids must be 1 to {MAX_LOGPROB_TOKEN_IDS} token ids")
             if self.logprobs is None:
                 raise ValueError("logprob_token_ids needs logprobs")
+        if self.stream_interval is not None and (isinstance(self.stream_interval, bool)
+                                                 or not isinstance(self.stream_interval, int)
+                                                 or self.stream_interval < 1):
+            raise ValueError("stream_interval must be a positive integer")
         if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= _MAX_LOGPROBS:
             raise ValueError(f"prompt_logprobs must be in [0, {_MAX_LOGPROBS}]")
 

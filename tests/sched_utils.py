@@ -8,7 +8,7 @@ from typing import Callable, Optional, Sequence
 from sluice.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from sluice.engine.request import Request
 from sluice.engine.scheduler import Scheduler, SchedulerOutput
-from sluice.sampling_params import SamplingParams
+from sluice.sampling_params import RepetitionDetectionParams, SamplingParams
 
 EOS = 2          # the eos id every test request carries
 TOKEN = 7        # a token that stops nothing
@@ -90,12 +90,13 @@ def create_request(
     add: bool = True,
     cache_salt: Optional[str] = None,
     priority: int = 0,
+    repetition_detection: Optional[RepetitionDetectionParams] = None,
 ) -> Request:
     """A request with `prompt` tokens (a count gives a unique prompt), added to the scheduler."""
     tokens = unique_prompt(prompt) if isinstance(prompt, int) else list(prompt)
     params = SamplingParams(max_tokens=max_tokens, min_tokens=min_tokens, ignore_eos=ignore_eos,
                             stop_token_ids=list(stop_token_ids), cache_salt=cache_salt,
-                            priority=priority)
+                            priority=priority, repetition_detection=repetition_detection)
     req = Request(request_id, tokens, params, max_tokens,
                   arrival_time if arrival_time is not None else scheduler.clock(),
                   eos_token_ids=(EOS,), workflow_id=workflow_id, is_last_step=is_last_step)

@@ -29,6 +29,7 @@ by a wide margin; one that only shifts some logits by a nat or more fails (3).
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import re
 from dataclasses import dataclass, field
@@ -44,7 +45,10 @@ from sluice.engine.bad_words import bad_words_token_ids
 from sluice.llm import LLM
 from sluice.model import gguf_loader
 from sluice.engine.structured_output import allowed_tokens, grammar_text
-from sluice.sampling_params import SamplingParams, StructuredOutputsParams
+from sluice.sampling_params import (
+    STREAM_FINAL_ONLY, RepetitionDetectionParams, SamplingParams, StructuredOutputsParams,
+)
+from test_stop_rules import reference_repeats
 
 try:
     from sluice.model.default import ensure_default_model
@@ -482,6 +486,59 @@ def test_bad_words_match_transformers(make_llm, llm, ref, hf_fp32, prompt_ids):
                 assert not any(tuple(got[i:i + len(s)]) == tuple(s) for s in seqs for i in range(len(got))), (name, bad)
     assert _spec_counts(spec)[1] > 0
     assert_drained(spec)
+
+
+def test_repetition_detection_ends_the_reference_output_where_it_repeats(make_llm, llm, ref, prompt_ids):
+    """repetition_detection on real output: sluice's float32 greedy output is transformers' up to
+    the first token where that output ends with a pattern of 1-4 tokens repeated twice (checked
+    segment by segment), and ends there with finish reason "repetition"; where the reference never
+    repeats so, it is the whole reference. With and without speculative decoding."""
+    spec = make_llm(dtype="float32", kv_cache_tokens=4096, enable_prefix_caching=False, speculative_config=SPEC)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS,
+                            repetition_detection=RepetitionDetectionParams(max_pattern_size=4, min_count=2))
+    cut_prompts = []
+    for name, ids in prompt_ids.items():
+        expected, _ = ref(ids)
+        cut = next((k for k in range(1, len(expected) + 1) if reference_repeats(expected[:k], 4, 0, 2)), None)
+        for engine in (llm, spec):
+            [out] = engine.generate([ids], params)
+            o = out.outputs[0]
+            if cut is None:
+                assert o.token_ids == expected and o.finish_reason != "repetition", name
+            else:
+                assert (o.token_ids, o.finish_reason, o.stop_reason) == (
+                    expected[:cut], "repetition", "repetition_detected"), (name, o.token_ids, expected)
+        if cut is not None:
+            cut_prompts.append(name)
+    assert len(cut_prompts) >= 2, cut_prompts         # real outputs that repeat, not only clean ones
+    assert_drained(llm)
+    assert_drained(spec)
+
+
+def test_stream_interval_coalesces_a_requests_outputs(llm, prompt_ids):
+    """vLLM's stream interval on the engine: the first output at once, then outputs of at least
+    `stream_interval` new tokens, the last at the end; the text, ids and step times they carry add
+    up to the same output as one output per token."""
+    engine = llm.engine
+    base = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+
+    def run(interval):
+        engine.add_request(f"interval-{interval}", prompt_ids["story"], dataclasses.replace(base, stream_interval=interval))
+        outs = []
+        while engine.has_unfinished():
+            outs += engine.step()
+        assert outs[-1].finished and not any(o.finished for o in outs[:-1])
+        return outs
+
+    every = run(1)
+    final = every[-1].outputs[0]
+    for interval, sizes in ((1, [1] * MAX_TOKENS), (5, [1, 5, 5, 5, 5, 3]), (STREAM_FINAL_ONLY, [1, MAX_TOKENS - 1])):
+        outs = every if interval == 1 else run(interval)
+        assert [o.outputs[0].num_new_tokens for o in outs] == sizes, interval
+        assert [len(o.token_times) for o in outs] == sizes, interval      # one step per token here
+        assert "".join(o.outputs[0].text_delta for o in outs) == final.text
+        assert outs[-1].outputs[0].token_ids == final.token_ids
+    assert_drained(llm)
 
 
 def test_speculative_decoding_bfloat16_same_tokens(make_llm, prompt_ids):

@@ -31,6 +31,11 @@ def server() -> Iterator[RemoteServer]:
 
 def test_health_and_models(server: RemoteServer, client: openai.OpenAI) -> None:
     assert httpx.get(server.url + "/health").status_code == 200
+    for method in ("GET", "POST", "HEAD"):          # vLLM's /ping (SageMaker), and HEAD probes
+        r = httpx.request(method, server.url + "/ping")
+        assert r.status_code == 200 and (r.content == b"" if method == "HEAD" else r.json() == {"status": "ok"})
+    head = httpx.head(server.url + "/health")
+    assert head.status_code == 200 and head.content == b""
     models = client.models.list().data
     assert [m.id for m in models] == ["SmolLM2-135M-Instruct.Q4_1"]
     assert client.models.retrieve(models[0].id).id == models[0].id
@@ -253,6 +258,69 @@ def test_bad_words(client: openai.OpenAI, model: str) -> None:
                                               extra_body={"bad_words": ["Paris"]})
     text = "".join(c.choices[0].delta.content or "" for c in streamed if c.choices)
     assert text and "Paris" not in text, text
+
+
+def test_repetition_detection(client: openai.OpenAI, model: str) -> None:
+    """vLLM's repetition_detection: the greedy output up to the first token where it ends with a
+    pattern of 1-2 tokens three times, finish reason "repetition" (stop_reason
+    "repetition_detected"), whole or streamed; malformed parameters are a 400."""
+    from test_stop_rules import reference_repeats
+
+    kw = dict(model=model, prompt="la la la la la la la la", max_tokens=30, temperature=0)
+    free = client.completions.create(**kw, extra_body={"return_token_ids": True}).choices[0]
+    ids = free.model_extra["token_ids"]
+    cut = next(k for k in range(1, len(ids) + 1) if reference_repeats(ids[:k], 2, 0, 3))
+    detect = {"repetition_detection": {"max_pattern_size": 2, "min_count": 3}, "return_token_ids": True}
+    got = client.completions.create(**kw, extra_body=detect).choices[0]
+    assert (got.model_extra["token_ids"], got.finish_reason, got.model_extra["stop_reason"]) == (
+        ids[:cut], "repetition", "repetition_detected")
+    chunks = list(client.completions.create(**kw, stream=True, extra_body=detect))
+    assert [t for c in chunks for ch in c.choices for t in ch.model_extra.get("token_ids") or []] == ids[:cut]
+    assert [ch.finish_reason for c in chunks for ch in c.choices if ch.finish_reason] == ["repetition"]
+    for bad in ({"max_pattern_size": 2, "min_count": 1}, {"max_pattern_size": 1, "min_pattern_size": 2, "min_count": 2},
+                {"max_pattern_size": 2, "min_count": 2, "window": 5}, {"max_pattern_size": -1}):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(**kw, extra_body={"repetition_detection": bad})
+        assert "repetition_detection" in str(e.value), bad
+
+
+def _streamed_sizes(client: openai.OpenAI, model: str, interval=None, max_tokens: int = 21) -> list[int]:
+    """The number of token ids each streamed completion chunk carries (ids counted by vLLM's
+    return_token_ids), for a greedy call that runs to max_tokens."""
+    extra = {"return_token_ids": True, "ignore_eos": True}
+    if interval is not None:
+        extra["stream_interval"] = interval
+    chunks = client.completions.create(model=model, prompt=PROMPT, max_tokens=max_tokens, temperature=0,
+                                       stream=True, extra_body=extra)
+    sizes = [len(ch.model_extra.get("token_ids") or []) for c in chunks for ch in c.choices]
+    assert sum(sizes) == max_tokens
+    return [n for n in sizes if n]
+
+
+def test_stream_interval_per_request(client: openai.OpenAI, model: str) -> None:
+    """A call's `stream_interval`: its first chunk at once, then chunks of at least that many
+    tokens (this server speculates, so a step may give more), the last with what is left."""
+    sizes = _streamed_sizes(client, model, interval=4)
+    assert sizes[0] < 4 and all(n >= 4 for n in sizes[1:-1]) and len(sizes) <= 2 + 20 // 4, sizes
+    assert len(_streamed_sizes(client, model)) > len(sizes)
+    with pytest.raises(openai.BadRequestError):
+        _streamed_sizes(client, model, interval=0)
+
+
+def test_stream_interval_server_flag_is_the_floor() -> None:
+    """`--stream-interval N`: every streamed call gets chunks of N tokens (here exactly N: no
+    speculation, one token per step); a call may raise it but not lower it."""
+    with RemoteServer(SERVER_ARGS + ["--stream-interval", "3", "--speculative-config", "none"]) as remote:
+        client = openai.OpenAI(base_url=remote.base_url, api_key="unused", max_retries=0, timeout=120)
+        model = client.models.list().data[0].id
+        assert _streamed_sizes(client, model) == [1] + [3] * 6 + [2]
+        assert _streamed_sizes(client, model, interval=2) == [1] + [3] * 6 + [2]
+        assert _streamed_sizes(client, model, interval=5) == [1, 5, 5, 5, 5]
+        text = client.completions.create(model=model, prompt=PROMPT, max_tokens=21, temperature=0,
+                                         extra_body={"ignore_eos": True}).choices[0].text
+        streamed = client.completions.create(model=model, prompt=PROMPT, max_tokens=21, temperature=0, stream=True,
+                                             extra_body={"ignore_eos": True})
+        assert "".join(c.choices[0].text for c in streamed if c.choices) == text
 
 
 def test_truncate_prompt_tokens(client: openai.OpenAI, model: str) -> None:

@@ -62,6 +62,10 @@ class _Group:
     reported_finished: bool = False
     error: Optional[str] = None
     metrics: dict = field(default_factory=dict)
+    stream_interval: int = 1           # outputs carry this many new tokens, save the first and last
+    sent: bool = False                 # an output with tokens has gone out
+    ended: bool = False                # a sample finished since the last output
+    token_times: list[float] = field(default_factory=list)   # steps that gave it tokens, not yet output
 
 
 class LLMEngine:
@@ -168,8 +172,9 @@ class LLMEngine:
             samples.append(_Sample(req, detok, [] if want_lp else None, 0.0 if want_lp else None))
         for s in samples:
             self._child_to_group[s.req.request_id] = request_id
+        interval = max(self.config.stream_interval, params.stream_interval or 1)
         self._groups[request_id] = _Group(request_id, list(prompt_token_ids), samples, now,
-                                          metrics={"arrival_time": now})
+                                          metrics={"arrival_time": now}, stream_interval=interval)
         for s in samples:
             self.scheduler.add_request(s.req)
 
@@ -338,11 +343,25 @@ class LLMEngine:
             if req.is_finished:
                 sample.finish_reason = req.status.value
                 sample.stop_reason = req.stop_reason
+                group.ended = True
             if "first_token_time" not in group.metrics:
                 group.metrics["scheduled_time"] = req.admit_time
                 group.metrics["first_token_time"] = req.first_token_time
             touched[gid] = group
-        return [self._make_output(g) for g in touched.values()]
+        now = self.clock()
+        for g in touched.values():
+            g.token_times.append(now)
+        return [self._make_output(g) for g in touched.values() if self._due(g)]
+
+    @staticmethod
+    def _due(group: _Group) -> bool:
+        """Whether a group's output goes out this step: always at stream interval 1; else its
+        first tokens, a sample's end or an error at once, and otherwise once some sample holds
+        `stream_interval` tokens not yet sent (vLLM's rule)."""
+        if group.stream_interval == 1 or not group.sent or group.ended or group.error is not None:
+            group.sent, group.ended = True, False
+            return True
+        return any(s.delta_tokens >= group.stream_interval for s in group.samples)
 
     def _make_output(self, group: _Group) -> RequestOutput:
         outs = []
@@ -368,6 +387,7 @@ class LLMEngine:
                 self._child_to_group.pop(s.req.request_id, None)
         prompt_lps = next((s.req.prompt_logprobs for s in group.samples
                            if s.req.prompt_logprobs is not None and not s.req.needs_prompt_logprobs), None)
+        times, group.token_times = group.token_times, []
         return RequestOutput(group.request_id, group.prompt_token_ids, outs, finished,
                              num_cached_tokens=cached, error=group.error, metrics=dict(group.metrics),
-                             prompt_logprobs=prompt_lps)
+                             prompt_logprobs=prompt_lps, token_times=times)

@@ -20,10 +20,22 @@ class RequestStatus(enum.Enum):
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
     FINISHED_ERROR = "error"
+    FINISHED_REPETITION = "repetition"   # vLLM's: the output repeated a pattern (repetition_detection)
 
     @property
     def finished(self) -> bool:
-        return self.value in ("stop", "length", "abort", "error")
+        return self is not RequestStatus.WAITING and self is not RequestStatus.RUNNING \
+            and self is not RequestStatus.PREEMPTED
+
+    @property
+    def completed(self) -> bool:
+        """Finished by the output itself (end, stop, length, repetition), not aborted or failed:
+        the call's KV is worth retaining for its workflow's next call."""
+        return self in _COMPLETED
+
+
+_COMPLETED = frozenset({RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
+                        RequestStatus.FINISHED_REPETITION})
 
 
 class Request:
@@ -163,6 +175,10 @@ class Request:
                 return RequestStatus.FINISHED_STOPPED
         if n >= self.max_tokens or self.num_tokens >= max_model_len:
             return RequestStatus.FINISHED_LENGTH
+        rep = self.params.repetition_detection
+        if rep is not None and rep.enabled and n >= self.params.min_tokens and rep.repeats(self.output_token_ids):
+            self.stop_reason = "repetition_detected"
+            return RequestStatus.FINISHED_REPETITION
         return None
 
     def suppressed_token_ids(self, ahead: int = 0) -> tuple[int, ...]:

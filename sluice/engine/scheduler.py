@@ -691,8 +691,7 @@ class Scheduler:
         req.status = status
         if self.states is not None:
             self._release_state(req)
-        retain = (req.has_named_workflow and not req.is_last_step
-                  and status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH))
+        retain = req.has_named_workflow and not req.is_last_step and status.completed
         if retain and req.num_cached_blocks > 0:
             blocks = self.kv.take_blocks(req)
             full = self._cached_prefix_len(blocks)
@@ -711,7 +710,7 @@ class Scheduler:
                 if wf is not None:
                     self.workflows.release(wf)
         self.workflows.on_call_finished(req.workflow_id, now)
-        if status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH):
+        if status.completed:
             self._observe_call_size(req)
         if not req.has_named_workflow:
             self.workflows.forget_if_idle(req.workflow_id)  # an anonymous call is its own workflow

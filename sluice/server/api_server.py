@@ -262,11 +262,15 @@ def build_app(
         body = await read_json_body(raw_request, server_config.max_request_bytes)
         return tokenization.detokenize(parse_request(DetokenizeRequest, body))
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> Response:
-        """200 while serving; 503 while draining for shutdown or once the engine has failed."""
+        """200 while serving; 503 while draining for shutdown or once the engine has failed.
+        HEAD answers the same without a body (load balancers' probes)."""
         phase = lifecycle.phase if engine.is_healthy else Phase.DEAD
         return JSONResponse({"status": phase.value}, status_code=200 if phase is Phase.SERVING else 503)
+
+    # vLLM's /ping (SageMaker's health probe, GET or POST): the same answer as /health.
+    app.add_api_route("/ping", health, methods=["GET", "POST", "HEAD"])
 
     @app.get("/version")
     async def version() -> dict[str, str]:

@@ -173,12 +173,20 @@ class RequestRecorder:
 
     def observe(self, output: RequestOutput) -> None:
         now = time.monotonic()
-        if any(o.num_new_tokens for o in output.outputs):
+        times = output.token_times
+        if times:
+            # TTFT as the client sees it (arrival to the output's delivery); the gaps between the
+            # engine steps that made tokens, one per step, also where an output carries several
+            # steps' tokens (a stream interval, a non-streamed call).
             if self._last_token_time is None:
                 self._metrics.time_to_first_token.observe(now - self._arrival)
+                last, rest = times[0], times[1:]
             else:
-                self._metrics.inter_token_latency.observe(now - self._last_token_time)
-            self._last_token_time = now
+                last, rest = self._last_token_time, times
+            for t in rest:
+                self._metrics.inter_token_latency.observe(t - last)
+                last = t
+            self._last_token_time = last
         if output.finished:
             self._observe_phases(output.metrics)
             reasons = [o.finish_reason for o in output.outputs if o.finish_reason]

@@ -19,7 +19,9 @@ from pydantic import (
     model_serializer,
 )
 
-from sluice.sampling_params import MAX_CACHE_SALT_CHARS, SamplingParams, StructuredOutputsParams
+from sluice.sampling_params import (
+    MAX_CACHE_SALT_CHARS, STREAM_FINAL_ONLY, RepetitionDetectionParams, SamplingParams, StructuredOutputsParams,
+)
 
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
@@ -145,6 +147,18 @@ class StructuredOutputsRequest(BaseModel):
     whitespace_pattern: Optional[str] = None
 
 
+class RepetitionDetectionRequest(BaseModel):
+    """vLLM's `repetition_detection`: end generation once the output repeats a pattern of
+    min_pattern_size..max_pattern_size tokens min_count times in a row (finish reason
+    "repetition"). Unknown keys are a 400."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_pattern_size: int = Field(0, ge=0, le=_INT64_MAX)
+    min_pattern_size: int = Field(0, ge=0, le=_INT64_MAX)
+    min_count: int = Field(0, ge=0, le=_INT64_MAX)
+
+
 # vLLM's request fields for guided decoding before `structured_outputs` replaced them.
 REMOVED_GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar",
                          "guided_json_object", "guided_decoding_backend", "guided_whitespace_pattern")
@@ -204,6 +218,10 @@ class SamplingRequest(OpenAIRequestModel):
     session_id: Optional[str] = None
     prompt_cache_key: Optional[str] = None
     is_last_step: Optional[bool] = False
+    repetition_detection: Optional[RepetitionDetectionRequest] = None
+    # vLLM's: tokens per streamed chunk (the first and last chunks go at once); the server's
+    # `--stream-interval` is the floor. Ignored without `stream`.
+    stream_interval: Optional[int] = Field(None, ge=1, le=_INT64_MAX)
 
     @property
     def stop_list(self) -> list[str]:
@@ -277,6 +295,9 @@ class SamplingRequest(OpenAIRequestModel):
             logprob_token_ids=list(self.logprob_token_ids) if self.logprob_token_ids is not None else None,
             cache_salt=self.cache_salt,
             priority=self.priority or 0,
+            repetition_detection=RepetitionDetectionParams(**self.repetition_detection.model_dump())
+            if self.repetition_detection is not None else None,
+            stream_interval=self.stream_interval if self.stream else STREAM_FINAL_ONLY,
         )
 
 

@@ -238,8 +238,9 @@ def stop_reason(sample: CompletionOutput, called: bool) -> tuple[Optional[str], 
     """Anthropic's (stop_reason, stop_sequence) for a finished sample."""
     if sample.finish_reason == "length":
         return "max_tokens", None
-    if isinstance(sample.stop_reason, str):
+    if sample.finish_reason == "stop" and isinstance(sample.stop_reason, str):
         return "stop_sequence", sample.stop_reason
+    # vLLM's "repetition" (repetition_detection) has no Anthropic reason; it ends as vLLM's does.
     return ("tool_use" if called else "end_turn"), None
 
 
