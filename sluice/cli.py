@@ -101,8 +101,12 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-requests", action="store_true")
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="answer tool calls the model writes as `tool_calls` (tool_choice \"auto\"; needs --tool-call-parser)")
-    p.add_argument("--tool-call-parser", default=None, choices=["hermes"],
-                   help="the model's tool-call format: hermes (<tool_call>{json}</tool_call>)")
+    p.add_argument("--tool-call-parser", default=None, choices=["hermes", "glm45", "glm47"],
+                   help="the model's tool-call format: hermes (<tool_call>{json}</tool_call>), glm45 / glm47 "
+                        "(GLM-4.5 to GLM-5.x: <tool_call>name<arg_key>k</arg_key><arg_value>v</arg_value></tool_call>)")
+    p.add_argument("--reasoning-parser", default=None, choices=["deepseek_r1", "qwen3", "glm45", "glm47"],
+                   help="a thinking model's <think>...</think> text becomes the reply's `reasoning` (chat), "
+                        "reasoning items (/v1/responses) and thinking blocks (/v1/messages)")
     p.add_argument("--responses-store-size", type=int, default=1024,
                    help="how many /v1/responses are kept for previous_response_id, least recently used "
                         "dropped first; 0 keeps none (default 1024)")
@@ -239,6 +243,7 @@ def build_server_config(args: argparse.Namespace):
         log_requests=args.log_requests,
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
         responses_store_size=args.responses_store_size,
         fault_inject_after_steps=args.fault_inject_after_steps,
         fault_inject_stall_after_steps=args.fault_inject_stall_after_steps,

@@ -234,7 +234,8 @@ class EngineConfig:
             raise ValueError("the stall timeout must be a positive number of seconds")
 
 
-TOOL_PARSERS = ("hermes",)   # the tool-call formats sluice parses (sluice/server/tool_calls.py)
+TOOL_PARSERS = ("hermes", "glm45", "glm47")   # the tool-call formats sluice parses (sluice/server/tool_calls.py)
+REASONING_PARSERS = ("deepseek_r1", "qwen3", "glm45", "glm47")   # <think> ... </think> (sluice/server/reasoning.py)
 
 
 @dataclass(frozen=True)
@@ -251,7 +252,8 @@ class ServerConfig:
     shutdown_timeout_s: float = 30.0      # SIGTERM: how long in-flight calls may run before the exit
     log_requests: bool = False
     enable_auto_tool_choice: bool = False  # parse tool calls out of replies (tool_choice "auto")
-    tool_call_parser: Optional[str] = None  # the model's tool-call format: "hermes"
+    tool_call_parser: Optional[str] = None  # the model's tool-call format: one of TOOL_PARSERS
+    reasoning_parser: Optional[str] = None  # one of REASONING_PARSERS: a reply's <think> text is its reasoning
     responses_store_size: int = 1024      # stored /v1/responses (previous_response_id), LRU; 0: none
     fault_inject_after_steps: Optional[int] = None  # tests only: the engine loop fails after N busy steps
     fault_inject_stall_after_steps: Optional[int] = None  # tests only: the scheduler stalls after N busy steps
@@ -265,5 +267,7 @@ class ServerConfig:
             raise ValueError("responses_store_size must be >= 0")
         if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_PARSERS:
             raise ValueError(f"unknown tool call parser {self.tool_call_parser!r}; choose from {list(TOOL_PARSERS)}")
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"unknown reasoning parser {self.reasoning_parser!r}; choose from {list(REASONING_PARSERS)}")
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError("--enable-auto-tool-choice requires --tool-call-parser")

@@ -135,12 +135,38 @@ def test_input_items_become_chat_messages() -> None:
     [{"role": "user", "content": None}],
     [{"type": "function_call", "name": "f", "arguments": {}, "call_id": "c"}],
     [{"type": "function_call_output", "output": "x"}],
-    [{"type": "reasoning", "summary": []}],
+    [{"type": "reasoning", "content": "not a list of parts"}],
+    [{"type": "reasoning", "summary": [{"type": "summary_text"}]}],
+    [{"type": "computer_call", "call_id": "c"}],
 ])
 def test_bad_input_items_are_400s(items: list[dict[str, Any]]) -> None:
     with pytest.raises(APIError) as e:
         input_messages(items)
     assert e.value.status_code == 400 and e.value.param == "input"
+
+
+def test_reasoning_items_are_their_turns_reasoning() -> None:
+    """A reasoning item (an earlier reply's, sent back) is the reasoning of the assistant turn it
+    precedes: with its answer, or with its function calls; its text from `content`, else from
+    `summary`."""
+    thought = {"type": "reasoning", "content": [{"type": "reasoning_text", "text": "Think."}]}
+    assert input_messages([
+        {"role": "user", "content": "Weather in Paris?"},
+        thought,
+        {"type": "function_call", "call_id": "c1", "name": "w", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c1", "output": "sun"},
+        {"type": "reasoning", "summary": [{"type": "summary_text", "text": "Sunny, "}, {"type": "summary_text", "text": "say so."}]},
+        {"role": "assistant", "content": "Sunny."},
+    ]) == [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": "", "reasoning": "Think.", "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "w", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "sun"},
+        {"role": "assistant", "content": "Sunny.", "reasoning": "Sunny, say so."},
+    ]
+    listed = input_item_objects([thought])
+    assert listed[0]["id"].startswith("rs_") and listed[0]["type"] == "reasoning"
+    assert listed[0]["content"] == thought["content"] and listed[0]["summary"] == []
 
 
 def test_input_items_are_listed_with_ids_and_parts() -> None:

@@ -378,9 +378,15 @@ class ChatMessage(OpenAIRequestModel):
         return "\n".join(part.text or "" for part in self.content)
 
     def to_template_dict(self) -> dict[str, Any]:
-        """The message as the chat template sees it: string content, extra fields kept."""
+        """The message as the chat template sees it: string content, extra fields kept. An
+        assistant turn's reasoning, sent back as vLLM's `reasoning` or the older
+        `reasoning_content`, is given under both names (templates of thinking models read
+        `reasoning_content`)."""
         message = self.model_dump(exclude_none=True)
         message["content"] = self.text
+        reasoning = message.get("reasoning", message.get("reasoning_content"))
+        if self.role == "assistant" and isinstance(reasoning, str):
+            message["reasoning"] = message["reasoning_content"] = reasoning
         return message
 
 
@@ -406,6 +412,10 @@ class ChatTemplateInput(OpenAIRequestModel):
 
 class ChatCompletionRequest(SamplingRequest, ChatTemplateInput):
     max_completion_tokens: Optional[int] = documented(minimum=1)
+    # vLLM's, for thinking models (`--reasoning-parser`): false leaves the reasoning out of the
+    # reply; `reasoning_effort` goes to the chat template as that variable (GLM-5.x reads it).
+    include_reasoning: Optional[bool] = True
+    reasoning_effort: Optional[Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]] = None
     logprobs: Optional[bool] = False
     top_logprobs: Optional[int] = documented(minimum=0)
     tool_choice: Optional[Union[Literal["none", "auto", "required"], NamedToolChoice]] = None
@@ -584,14 +594,16 @@ class ToolCall(BaseModel):
     function: FunctionCall
 
 
+def _is_none(value: Any) -> bool:
+    return value is None
+
+
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: Optional[str] = None
     tool_calls: list[ToolCall] = Field(default_factory=list)
-
-
-def _is_none(value: Any) -> bool:
-    return value is None
+    # vLLM's: a thinking model's reasoning (`--reasoning-parser`); absent without it.
+    reasoning: Optional[str] = Field(None, exclude_if=_is_none)
 
 
 def _token_ids_field() -> Any:
@@ -660,6 +672,7 @@ class DeltaMessage(_DropNone):
 
     role: Optional[Literal["assistant"]] = None
     content: Optional[str] = None
+    reasoning: Optional[str] = None
     tool_calls: Optional[list[DeltaToolCall]] = None
 
 

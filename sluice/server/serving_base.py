@@ -23,7 +23,7 @@ from sluice.outputs import CompletionOutput, Logprob, RequestOutput
 from sluice.sampling_params import SamplingParams
 from sluice.server.metrics import ServerMetrics
 from sluice.server.protocol import REMOVED_GUIDED_FIELDS, APIError, ChatTemplateInput, PromptLogprob, SamplingRequest
-from sluice.server.tool_calls import prepare_chat
+from sluice.server.tool_calls import CALL_FORMATS, prepare_chat
 from sluice.tokenizer import ChatTemplateError
 
 MIN_LOGPROB = -9999.0  # stands for -inf, which JSON cannot carry
@@ -349,6 +349,9 @@ class OpenAIServing:
         if taken:
             raise APIError(400, f"chat_template_kwargs may not set {', '.join(taken)}; use the request's "
                            "own fields", param="chat_template_kwargs")
+        effort = getattr(request, "reasoning_effort", None)
+        if effort is not None:
+            kwargs["reasoning_effort"] = effort
         continue_final = bool(request.continue_final_message)
         if continue_final and request.add_generation_prompt:
             raise APIError(400, "continue_final_message and add_generation_prompt cannot both be true "
@@ -356,7 +359,8 @@ class OpenAIServing:
         messages = [m.to_template_dict() for m in request.messages]
         tools = [t.model_dump(exclude_none=True) for t in request.tools] if request.tools else None
         try:
-            messages, tools = prepare_chat(messages, tools, self.tokenizer.info.chat_template)
+            messages, tools = prepare_chat(messages, tools, self.tokenizer.info.chat_template,
+                                           CALL_FORMATS.get(self.server_config.tool_call_parser or "hermes", "hermes"))
         except ValueError as e:
             raise APIError(400, str(e), param="messages") from e
         try:

@@ -48,12 +48,13 @@ from sluice.server.tool_calls import (
     NamedCallStream,
     ParsedToolCall,
     RequiredCallsStream,
-    ToolCallStream,
+    call_parser_factory,
     named_call_schema,
     reply_parts,
     required_calls_schema,
     tool_call_id,
 )
+from sluice.server.reasoning import ReasoningDelta, ReasoningStream, reasoning_text, starts_in_reasoning
 from sluice.sampling_params import SamplingParams, StructuredOutputsParams
 
 
@@ -75,6 +76,7 @@ class OpenAIServingChat(OpenAIServing):
                 raise APIError(400, str(e), param="tool_choice") from e
         await self.check_structured_outputs(
             params, "tool_choice" if forced is not None else request.structured_outputs_field)
+        parse_reply = self.reply_parser(prompt_ids, params, parse_tools, request.include_reasoning is not False)
         engine_id = random_id("chatcmpl")
         request_id = self.response_id("chatcmpl", request, raw_request, engine_id)
         streams = await self.start_streams(
@@ -86,10 +88,10 @@ class OpenAIServingChat(OpenAIServing):
         if request.stream:
             streams.stop_watching()
             stream = self._stream(request, request_id, prompt_ids, params.n, num_logprobs, streams,
-                                  parse_tools)
+                                  parse_reply)
             return SSEResponse(stream, on_close=streams.close)
         response = await self._collect(request, request_id, prompt_ids, num_logprobs, streams,
-                                       parse_tools)
+                                       parse_reply)
         return Response(response.model_dump_json(), media_type="application/json")
 
     async def prepare_translated(
@@ -98,7 +100,8 @@ class OpenAIServingChat(OpenAIServing):
         """A request of another API (Responses, Anthropic's Messages) as the chat completion `body`
         it amounts to: the chat endpoint's checks, template and sampling parameters, its errors
         naming the other API's fields (`param_names`: chat field -> theirs). Returns the chat
-        request, its tool parser factory, its prompt and its sampling parameters."""
+        request, its reply parser factory (tool calls, reasoning), its prompt and its sampling
+        parameters."""
         try:
             chat = parse_request(ChatCompletionRequest, body)
             self.check_request(chat)
@@ -112,7 +115,20 @@ class OpenAIServingChat(OpenAIServing):
         except APIError as e:
             e.param = param_names.get(e.param, e.param)
             raise
-        return chat, parse_tools, prompt_ids, params
+        return (chat, self.reply_parser(prompt_ids, params, parse_tools, chat.include_reasoning is not False),
+                prompt_ids, params)
+
+    def reply_parser(self, prompt_ids: list[int], params: SamplingParams, parse_tools: Optional[Callable[[], Any]],
+                     include_reasoning: bool = True) -> Optional[Callable[[], Any]]:
+        """The factory of per-choice reply parsers: `parse_tools` (tool calls, or None for plain
+        text) inside a reasoning split when the server has a reasoning parser (the reasoning left
+        out unless `include_reasoning`). A constrained reply (structured outputs, a forced tool
+        choice) is all content: its grammar holds from its first token (vLLM applies it after the
+        reasoning instead)."""
+        if self.server_config.reasoning_parser is None or params.structured_outputs is not None:
+            return parse_tools
+        in_reasoning = starts_in_reasoning(self.tokenizer.decode(prompt_ids[-32:], skip_special_tokens=False))
+        return lambda: ReasoningStream(in_reasoning, parse_tools, include_reasoning)
 
     def _num_logprobs(self, request: ChatCompletionRequest) -> Optional[int]:
         if not request.logprobs:
@@ -134,18 +150,18 @@ class OpenAIServingChat(OpenAIServing):
             if choice is not None and choice != "none":
                 raise APIError(400, "tool_choice is only allowed when tools are specified", param="tool_choice")
             return None, None
+        tools = [t.model_dump(exclude_none=True) for t in request.tools]
         if choice is None or choice == "auto":
             if not self.server_config.enable_auto_tool_choice:
                 raise APIError(400, '"auto" tool choice requires the server to run with '
                                '--enable-auto-tool-choice and --tool-call-parser', param="tool_choice")
-            return ToolCallStream, None
+            return call_parser_factory(self.server_config.tool_call_parser, tools), None
         if choice == "none":
             return None, None
         fmt = request.response_format
         if (fmt is not None and fmt.type != "text") or request.structured_outputs is not None:
             raise APIError(400, "a forced tool_choice cannot be combined with response_format or "
                            "structured_outputs", param="tool_choice")
-        tools = [t.model_dump(exclude_none=True) for t in request.tools]
         if isinstance(choice, NamedToolChoice):
             name = choice.function.name
             try:
@@ -178,17 +194,19 @@ class OpenAIServingChat(OpenAIServing):
                 logprobs = self._chat_logprobs(list(zip(sample.token_ids, sample.logprobs or [])),
                                                None if request.logprob_token_ids else num_logprobs,
                                                bool(request.return_tokens_as_token_ids))
-            content, calls, parsed = sample.text, [], False
+            content, calls, parsed, reasoning = sample.text, [], False, None
             if parse_tools is not None:
                 parser = parse_tools()
-                content, calls, parsed = reply_parts(parser.feed(sample.text) + parser.finish())
+                events = parser.feed(sample.text) + parser.finish()
+                content, calls, parsed = reply_parts(events)
+                reasoning = reasoning_text(events)
             if calls and request.parallel_tool_calls is False:
                 calls = calls[:1]
             if request.echoed_text:
                 content = request.echoed_text + (content or "")
             choices.append(ChatCompletionChoice(
                 index=index,
-                message=ChatResponseMessage(content=content, tool_calls=[
+                message=ChatResponseMessage(content=content, reasoning=reasoning, tool_calls=[
                     ToolCall(id=tool_call_id(), function=FunctionCall(name=c.name, arguments=c.arguments))
                     for c in calls]),
                 logprobs=logprobs,
@@ -245,7 +263,7 @@ class OpenAIServingChat(OpenAIServing):
         latest: dict[int, CompletionOutput] = {}
         finished: set[int] = set()
         text_chunk: dict[int, TextChunkTemplate] = {}   # per choice: its content-only chunk
-        parsers: dict[int, Any] = {}                     # per choice, when parsing tool calls
+        parsers: dict[int, Any] = {}                     # per choice, when parsing tool calls or reasoning
         num_calls: dict[int, int] = {}                   # per choice: parsed tool calls sent
         named_call: set[int] = set()                     # choices whose named call has begun
         cached_tokens = 0                                # the prefix-cache hits, once known
@@ -283,6 +301,10 @@ class OpenAIServingChat(OpenAIServing):
                             index=sample.index, delta=DeltaMessage(content=text), logprobs=logprobs,
                         )])
                     for event in events:
+                        if isinstance(event, ReasoningDelta):
+                            yield chunk([ChatCompletionStreamChoice(index=sample.index,
+                                                                    delta=DeltaMessage(reasoning=event.text))])
+                            continue
                         if isinstance(event, ArgumentsDelta):
                             first = sample.index not in named_call
                             named_call.add(sample.index)

@@ -4,7 +4,8 @@ Agent harnesses built on Anthropic's API (its SDKs, coding agents pointed at `AN
 reach sluice here, as they reach vLLM 0.32's own `/v1/messages`. A request is translated into the
 chat completion it amounts to: `system` becomes the system message; content blocks become chat
 messages (an assistant's `tool_use` blocks its `tool_calls`, a user's `tool_result` blocks tool
-messages ahead of the user's text, thinking blocks replayed from history are dropped); `tools`
+messages ahead of the user's text, thinking blocks replayed from history the assistant turn's
+`reasoning`); `tools`
 (`input_schema`) and `tool_choice` (`auto`, `any` = "required", `tool` = a named function, `none`,
 `disable_parallel_tool_use`) become the chat's; `stop_sequences` its `stop`; a final assistant
 message is continued (Anthropic's response prefill; vLLM 0.32 opens a new turn after it);
@@ -81,6 +82,8 @@ class ContentBlock(OpenAIRequestModel):
     tool_use_id: Optional[str] = None                        # tool_result
     content: Optional[Union[str, list[dict[str, Any]]]] = None   # tool_result
     is_error: Optional[bool] = None                          # tool_result
+    thinking: Optional[str] = None                           # thinking
+    signature: Optional[str] = None                          # thinking
 
 
 class AnthropicMessage(OpenAIRequestModel):
@@ -159,6 +162,7 @@ def chat_messages(request: _Conversation) -> list[dict[str, Any]]:
             continue
         texts: list[str] = []
         calls: list[dict[str, Any]] = []
+        thoughts: list[str] = []
         for block in message.content:
             kind = block.type
             if kind == "text":
@@ -172,15 +176,18 @@ def chat_messages(request: _Conversation) -> list[dict[str, Any]]:
                 # ahead of the user's own text: the results answer the assistant's calls just before
                 out.append({"role": "tool", "tool_call_id": block.tool_use_id or "",
                             "content": _text_of(block.content, f"messages[{i}] tool_result", "messages")})
-            elif kind in ("thinking", "redacted_thinking") and message.role == "assistant":
-                continue            # this model does not reason; replayed thinking is not prompt text
+            elif kind == "thinking" and message.role == "assistant":
+                thoughts.append(block.thinking or "")   # the turn's reasoning, for the template
+            elif kind == "redacted_thinking" and message.role == "assistant":
+                continue            # opaque (encrypted by Anthropic): nothing a template can render
             else:
                 raise APIError(400, f"messages[{i}]: content blocks of type {kind!r} are not supported in "
                                f"{message.role} messages", param="messages")
         if message.role == "assistant":
-            if texts or calls:
+            if texts or calls or thoughts:
                 out.append({"role": "assistant", "content": "\n".join(texts) if texts else None,
-                            **({"tool_calls": calls} if calls else {})})
+                            **({"tool_calls": calls} if calls else {}),
+                            **({"reasoning": "".join(thoughts)} if thoughts else {})})
         elif texts:
             out.append({"role": "user", "content": [{"type": "text", "text": t} for t in texts]})
     return out
@@ -230,8 +237,9 @@ def _check_thinking(request: _Conversation) -> None:
     kind = (request.thinking or {}).get("type")
     if kind not in (None, "disabled", "enabled", "adaptive"):
         raise APIError(400, f"thinking of type {kind!r} is not supported", param="thinking")
-    # "enabled" and "adaptive" are accepted: a budget is an upper bound, and this model's replies
-    # use none of it (no thinking blocks), as a reply that needed no thinking would.
+    # "enabled" and "adaptive" are accepted: a budget is an upper bound (not enforced). A model
+    # that does not think uses none of it; with `--reasoning-parser` its thinking comes back as
+    # thinking blocks, unless the request disabled thinking.
 
 
 def stop_reason(sample: CompletionOutput, called: bool) -> tuple[Optional[str], Optional[str]]:
@@ -263,6 +271,13 @@ class ContentBlocks(ReplyParts):
         return super()._open_part(block) + [
             {"type": "content_block_start", "index": len(self.blocks) - 1, "content_block": dict(block)}]
 
+    def _open_reasoning(self) -> list[dict[str, Any]]:
+        return self._open_part({"type": "thinking", "thinking": "", "signature": ""})
+
+    def _reasoning(self, text: str) -> list[dict[str, Any]]:
+        self._open["thinking"] += text
+        return [self._delta({"type": "thinking_delta", "thinking": text})]
+
     def _open_text(self) -> list[dict[str, Any]]:
         return self._open_part({"type": "text", "text": ""})
 
@@ -291,6 +306,12 @@ class ContentBlocks(ReplyParts):
             except json.JSONDecodeError:
                 args = None
             block["input"] = args if isinstance(args, dict) else {}
+        if block["type"] == "thinking":
+            # Anthropic signs thinking so a client can send it back unaltered; this server keeps no
+            # key, so the signature only marks the block as this server's (vLLM sends a random one).
+            block["signature"] = uuid.uuid4().hex
+            return [self._delta({"type": "signature_delta", "signature": block["signature"]}),
+                    {"type": "content_block_stop", "index": len(self.blocks) - 1}]
         return [{"type": "content_block_stop", "index": len(self.blocks) - 1}]
 
 
@@ -340,6 +361,8 @@ class AnthropicServingMessages(OpenAIServingChat):
             workflow_id=request.workflow_id, session_id=request.session_id, is_last_step=request.is_last_step,
             **chat_tools(request), **prefill(request),
         )
+        if (request.thinking or {}).get("type") == "disabled":
+            body["include_reasoning"] = False
         fmt = (request.output_config or {}).get("format")
         if fmt is not None:
             if not isinstance(fmt, dict) or fmt.get("type") != "json_schema" or not isinstance(fmt.get("schema"), dict):

@@ -118,27 +118,48 @@ def _text_of(content: Any, where: str) -> str:
     return "".join(texts)
 
 
+def _reasoning_of(item: dict[str, Any], where: str) -> str:
+    """A reasoning item's text: its `reasoning_text` content, else its summary's text."""
+    parts = item.get("content") or item.get("summary") or []
+    if not isinstance(parts, list) or not all(isinstance(p, dict) and isinstance(p.get("text"), str) for p in parts):
+        raise APIError(400, f"{where}: a reasoning item's content and summary must be lists of text parts",
+                       param="input")
+    return "".join(p["text"] for p in parts)
+
+
 def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The chat messages of a Responses `input`: messages, the model's earlier function calls (one
-    assistant message per turn) and their outputs (tool messages)."""
+    """The chat messages of a Responses `input`: messages, the model's earlier reasoning and
+    function calls (one assistant message per turn, its reasoning as `reasoning`) and the calls'
+    outputs (tool messages)."""
     if isinstance(items, str):
         return [{"role": "user", "content": items}]
     messages: list[dict[str, Any]] = []
     for i, item in enumerate(items):
         where = f"input[{i}]"
         kind = item.get("type", "message")
-        if kind == "message":
+        last = messages[-1] if messages else None
+        if kind == "reasoning":
+            text = _reasoning_of(item, where)
+            if last is not None and last["role"] == "assistant" and not last["content"] and not last.get("tool_calls"):
+                last["reasoning"] = last.get("reasoning", "") + text
+            else:
+                messages.append({"role": "assistant", "content": "", "reasoning": text})
+        elif kind == "message":
             role = item.get("role")
             if role not in INPUT_ROLES:
                 raise APIError(400, f"{where}.role must be one of {', '.join(INPUT_ROLES)}", param="input")
-            messages.append({"role": role, "content": _text_of(item.get("content"), where + ".content")})
+            content = _text_of(item.get("content"), where + ".content")
+            if (role == "assistant" and last is not None and last["role"] == "assistant" and "reasoning" in last
+                    and not last["content"] and not last.get("tool_calls")):
+                last["content"] = content          # the answer after its reasoning: one turn
+            else:
+                messages.append({"role": role, "content": content})
         elif kind == "function_call":
             name, arguments, call_id = item.get("name"), item.get("arguments"), item.get("call_id")
             if not (isinstance(name, str) and isinstance(arguments, str) and isinstance(call_id, str)):
                 raise APIError(400, f"{where}: a function_call needs string name, arguments and call_id",
                                param="input")
             call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
-            last = messages[-1] if messages else None
             if last is not None and last["role"] == "assistant":
                 last.setdefault("tool_calls", []).append(call)
             else:
@@ -150,7 +171,7 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
             messages.append({"role": "tool", "tool_call_id": call_id, "content": _text_of(output, where + ".output")})
         else:
             raise APIError(400, f"{where}: input items of type {kind!r} are not supported (message, "
-                           "function_call, function_call_output)", param="input")
+                           "reasoning, function_call, function_call_output)", param="input")
     return messages
 
 
@@ -174,6 +195,9 @@ def input_item_objects(items: str | list[dict[str, Any]]) -> list[dict[str, Any]
         elif kind == "function_call":
             listed.append({"id": given or _item_id("fc"), "type": "function_call", "call_id": item["call_id"],
                            "name": item["name"], "arguments": item["arguments"], "status": "completed"})
+        elif kind == "reasoning":
+            listed.append({"id": given or _item_id("rs"), "type": "reasoning", "summary": item.get("summary") or [],
+                           "content": item.get("content") or [], "status": "completed"})
         else:
             listed.append({"id": given or _item_id("fco"), "type": "function_call_output", "call_id": item["call_id"],
                            "output": _text_of(item["output"], "output"), "status": "completed"})
@@ -213,6 +237,9 @@ def output_message(items: list[dict[str, Any]]) -> dict[str, Any]:
               "function": {"name": item["name"], "arguments": item["arguments"]}}
              for item in items if item["type"] == "function_call"]
     message: dict[str, Any] = {"role": "assistant", "content": text}
+    reasoning = [part["text"] for item in items if item["type"] == "reasoning" for part in item["content"]]
+    if reasoning:
+        message["reasoning"] = "".join(reasoning)
     if calls:
         message["tool_calls"] = calls
     return message
@@ -236,6 +263,20 @@ class OutputItems(ReplyParts):
         """Closes the open item (completed) and opens `item` after it."""
         return super()._open_part(item) + [
             ("response.output_item.added", {"output_index": len(self.items) - 1, "item": _copy(item)})]
+
+    def _open_reasoning(self) -> list[tuple[str, dict[str, Any]]]:
+        item = {"type": "reasoning", "id": _item_id("rs"), "summary": [],
+                "content": [{"type": "reasoning_text", "text": ""}], "status": "in_progress"}
+        return self._open_part(item) + [("response.content_part.added", {
+            "item_id": item["id"], "output_index": len(self.items) - 1, "content_index": 0,
+            "part": {"type": "reasoning_text", "text": ""}})]
+
+    def _reasoning(self, text: str) -> list[tuple[str, dict[str, Any]]]:
+        item = self._open
+        assert item is not None and item["type"] == "reasoning"
+        item["content"][0]["text"] += text
+        return [("response.reasoning_text.delta", {"item_id": item["id"], "output_index": len(self.items) - 1,
+                                                   "content_index": 0, "delta": text})]
 
     def _open_text(self) -> list[tuple[str, dict[str, Any]]]:
         item = {"type": "message", "id": _item_id("msg"), "status": "in_progress", "role": "assistant",
@@ -272,6 +313,13 @@ class OutputItems(ReplyParts):
         if item["type"] == "function_call":
             return [("response.function_call_arguments.done", {"item_id": item["id"], "output_index": index,
                                                                "name": item["name"], "arguments": item["arguments"]}),
+                    ("response.output_item.done", {"output_index": index, "item": _copy(item)})]
+        if item["type"] == "reasoning":
+            part = item["content"][0]
+            return [("response.reasoning_text.done", {"item_id": item["id"], "output_index": index,
+                                                      "content_index": 0, "text": part["text"]}),
+                    ("response.content_part.done", {"item_id": item["id"], "output_index": index,
+                                                    "content_index": 0, "part": dict(part)}),
                     ("response.output_item.done", {"output_index": index, "item": _copy(item)})]
         if not item["content"]:
             item["content"].append(_text_part(""))
@@ -359,8 +407,7 @@ class OpenAIServingResponses(OpenAIServingChat):
             raise not_found(response_id)
         return {"id": response_id, "object": "response.deleted", "deleted": True}
 
-    @staticmethod
-    def _check_fields(request: ResponsesRequest) -> None:
+    def _check_fields(self, request: ResponsesRequest) -> None:
         if request.background:
             raise APIError(400, "background responses are not supported", param="background")
         if request.include:
@@ -372,7 +419,12 @@ class OpenAIServingResponses(OpenAIServingChat):
             raise APIError(400, 'truncation "auto" is not supported: a conversation longer than the context '
                            "is a 400, never silently cut", param="truncation")
         if request.reasoning and any(v is not None for v in request.reasoning.values()):
-            raise APIError(400, "this model does not reason; reasoning options are not supported", param="reasoning")
+            if self.server_config.reasoning_parser is None:
+                raise APIError(400, "this server does not parse reasoning (--reasoning-parser); reasoning "
+                               "options are not supported", param="reasoning")
+            unknown = sorted(set(request.reasoning) - {"effort", "summary", "generate_summary"})
+            if unknown:
+                raise APIError(400, f"unknown reasoning options {unknown}", param="reasoning")
 
     @staticmethod
     def _chat_body(request: ResponsesRequest, messages: list[dict[str, Any]]) -> dict[str, Any]:
@@ -386,6 +438,8 @@ class OpenAIServingResponses(OpenAIServingChat):
             parallel_tool_calls=request.parallel_tool_calls, user=request.user, workflow_id=request.workflow_id,
             session_id=request.session_id, prompt_cache_key=request.prompt_cache_key, is_last_step=request.is_last_step,
         )
+        if request.reasoning and request.reasoning.get("effort") is not None:
+            body["reasoning_effort"] = request.reasoning["effort"]
         if request.tools:
             body["tools"] = [{"type": "function", "function": t.model_dump(exclude={"type", "strict"}, exclude_none=True)}
                              for t in request.tools]
@@ -417,7 +471,8 @@ class OpenAIServingResponses(OpenAIServingChat):
             "instructions": request.instructions, "max_output_tokens": request.max_output_tokens,
             "model": self.model_name, "output": output,
             "parallel_tool_calls": request.parallel_tool_calls is not False,
-            "previous_response_id": request.previous_response_id, "reasoning": None,
+            "previous_response_id": request.previous_response_id,
+            "reasoning": {"effort": (request.reasoning or {}).get("effort"), "summary": None} if request.reasoning else None,
             "store": bool(request.store), "temperature": 1.0 if request.temperature is None else request.temperature,
             "text": {"format": fmt},
             "tool_choice": choice if isinstance(choice, str) else (

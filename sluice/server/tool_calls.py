@@ -23,16 +23,28 @@ said. A named function's reply is its arguments (an object of the function's `pa
 schema), streamed as argument fragments. "required" constrains the reply to a JSON array of
 `{"name": ..., "parameters": {...}}` objects, one of the tools each (at most one without
 `parallel_tool_calls`); each call is sent (one delta) as soon as its element of the array closes.
+
+The "glm45" / "glm47" format (GLM-4.5, 4.6, 4.7 and GLM-5.x; vLLM's parser names): a call is
+`<tool_call>NAME<arg_key>KEY</arg_key><arg_value>VALUE</arg_value>...</tool_call>` (whitespace
+or newlines may separate the parts; a call may have no arguments). Values are text; each is
+typed by its parameter's schema in the request's tools (null, integer, number, boolean, object,
+array, string, first that fits), a value of a parameter without one stays a string. A block that
+names no tool of the request, or holds anything besides its name and argument pairs, stays text.
 """
 from __future__ import annotations
 
 import json
+import math
+import re
 import uuid
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
+
+from sluice.server.reasoning import ReasoningDelta
 
 TOOL_CALL_START = "<tool_call>"
 TOOL_CALL_END = "</tool_call>"
+CALL_FORMATS = {"hermes": "hermes", "glm45": "glm", "glm47": "glm"}   # --tool-call-parser -> format
 
 
 def tool_call_id() -> str:
@@ -99,12 +111,131 @@ def sample_events(parser: Optional[Any], sample: Any) -> list[Any]:
     return events
 
 
-class ToolCallStream:
-    """Incremental hermes parsing: `feed(delta)` and at the end `finish()` each return the events
-    that are certain so far, in order: content strings and `ParsedToolCall`s. Concatenating the
-    events of any split of a text gives what the whole text gives."""
+# --- the GLM format ----------------------------------------------------------------------------------
 
-    def __init__(self) -> None:
+_GLM_ARG_KEY = "<arg_key>"
+_GLM_PAIR = re.compile(r"\s*<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
+_TYPE_ORDER = ("null", "integer", "number", "boolean", "object", "array", "string")
+
+
+def schema_types(schema: Any) -> set[str]:
+    """The JSON types a parameter's schema allows: `type` (a name or a list), the types of its
+    `enum` values, and those of `anyOf` / `oneOf` / `allOf` branches; {"string"} when it says none."""
+    if not isinstance(schema, dict):
+        return {"string"}
+    types: set[str] = set()
+    kind = schema.get("type")
+    for t in ([kind] if isinstance(kind, str) else kind if isinstance(kind, list) else []):
+        if isinstance(t, str):
+            types.add(t)
+    for value in schema.get("enum") or []:
+        types.add("null" if value is None else "boolean" if isinstance(value, bool) else
+                  "integer" if isinstance(value, int) else "number" if isinstance(value, float) else
+                  "string" if isinstance(value, str) else "object" if isinstance(value, dict) else "array")
+    for key in ("anyOf", "oneOf", "allOf"):
+        for branch in schema.get(key) or []:
+            types |= schema_types(branch) - ({"string"} if not _says_type(branch) else set())
+    return types or {"string"}
+
+
+def _says_type(schema: Any) -> bool:
+    return isinstance(schema, dict) and any(k in schema for k in ("type", "enum", "anyOf", "oneOf", "allOf"))
+
+
+def _finite(value: Any) -> bool:
+    if isinstance(value, float):
+        return math.isfinite(value)
+    if isinstance(value, list):
+        return all(_finite(v) for v in value)
+    if isinstance(value, dict):
+        return all(_finite(v) for v in value.values())
+    return True
+
+
+def typed_value(text: str, types: set[str]) -> Any:
+    """An argument's text as the first of `types` (in _TYPE_ORDER) it reads as; a type the order
+    does not know is read as any JSON; the text itself where nothing fits."""
+    for kind in _TYPE_ORDER:
+        if kind not in types:
+            continue
+        if kind == "string":
+            return text
+        t = text.strip()
+        if kind == "null" and t.lower() == "null":
+            return None
+        if kind == "integer" and re.fullmatch(r"[-+]?\d+", t):
+            return int(t)
+        if kind == "number":
+            try:
+                x = float(t)
+            except ValueError:
+                continue
+            if math.isfinite(x):
+                return int(x) if x.is_integer() and "." not in t and "e" not in t.lower() else x
+        if kind == "boolean" and t.lower() in ("true", "false"):
+            return t.lower() == "true"
+        if kind in ("object", "array"):
+            try:
+                v = json.loads(t)
+            except (json.JSONDecodeError, RecursionError):
+                continue
+            if isinstance(v, dict if kind == "object" else list) and _finite(v):
+                return v
+    if not types & set(_TYPE_ORDER):
+        try:
+            v = json.loads(text)
+        except (json.JSONDecodeError, RecursionError):
+            return text
+        return v if _finite(v) else text
+    return text
+
+
+def glm_call_parser(tools: Optional[list[dict[str, Any]]]) -> Callable[[str], Optional[ParsedToolCall]]:
+    """The body of a GLM `<tool_call>` block as a call of one of `tools` (OpenAI's function tool
+    dicts), or None when it is not one."""
+    properties: dict[str, dict[str, Any]] = {}
+    for tool in tools or []:
+        fn = tool.get("function") or {}
+        if isinstance(fn.get("name"), str):
+            props = (fn.get("parameters") or {}).get("properties")
+            properties[fn["name"]] = props if isinstance(props, dict) else {}
+
+    def parse(body: str) -> Optional[ParsedToolCall]:
+        start = body.find(_GLM_ARG_KEY)
+        name = (body if start < 0 else body[:start]).strip()
+        if name not in properties:
+            return None
+        args: dict[str, Any] = {}
+        pos, rest = 0, body[start:] if start >= 0 else ""
+        while rest[pos:].strip():
+            m = _GLM_PAIR.match(rest, pos)
+            if m is None:
+                return None
+            key = m.group(1).strip()
+            schema = properties[name].get(key)
+            args[key] = typed_value(m.group(2), schema_types(schema)) if schema is not None else m.group(2)
+            pos = m.end()
+        return ParsedToolCall(name, json.dumps(args, ensure_ascii=False))
+
+    return parse
+
+
+def call_parser_factory(parser_name: str, tools: Optional[list[dict[str, Any]]]) -> Callable[[], "ToolCallStream"]:
+    """Per-choice stream parsers for `--tool-call-parser parser_name` and a request's tools."""
+    if CALL_FORMATS[parser_name] == "glm":
+        parse = glm_call_parser(tools)
+        return lambda: ToolCallStream(parse)
+    return ToolCallStream
+
+
+class ToolCallStream:
+    """Incremental parsing of `<tool_call>` blocks: `feed(delta)` and at the end `finish()` each
+    return the events that are certain so far, in order: content strings and `ParsedToolCall`s.
+    Concatenating the events of any split of a text gives what the whole text gives. A block's
+    body is read by `parse_body` (hermes JSON by default; `glm_call_parser` for GLM's format)."""
+
+    def __init__(self, parse_body: Callable[[str], Optional[ParsedToolCall]] = None) -> None:
+        self._parse = parse_body or (lambda body: parse_call_body(body.strip()))
         self._pending = ""          # text not yet emitted
         self._in_call = False       # inside a <tool_call> block (its opening tag consumed)
 
@@ -119,7 +250,7 @@ class ToolCallStream:
                 body = self._pending[:end]
                 self._pending = self._pending[end + len(TOOL_CALL_END):]
                 self._in_call = False
-                call = parse_call_body(body.strip())
+                call = self._parse(body)
                 events.append(call if call is not None else TOOL_CALL_START + body + TOOL_CALL_END)
                 continue
             start = self._pending.find(TOOL_CALL_START)
@@ -140,7 +271,7 @@ class ToolCallStream:
         if not self._in_call:
             return [pending] if pending else []
         self._in_call = False
-        call = parse_call_body(pending.strip())
+        call = self._parse(pending)
         return [call] if call is not None else [TOOL_CALL_START + pending]
 
 
@@ -271,16 +402,18 @@ class RequiredCallsStream:
 # --- prompting ------------------------------------------------------------------------------------
 
 class ReplyParts:
-    """The parts of one reply (text and tool calls), built from a parser's events (text strings,
-    whole `ParsedToolCall`s, a named call's `ArgumentsDelta`s) as they come; `add` and `finish`
-    return the stream events each causes. Whitespace-only text is held until more text comes, so a
-    reply that only calls tools has no empty text part; calls past `max_calls` are dropped.
+    """The parts of one reply (reasoning, text and tool calls), built from a parser's events
+    (`ReasoningDelta`s, text strings, whole `ParsedToolCall`s, a named call's `ArgumentsDelta`s)
+    as they come; `add` and `finish` return the stream events each causes. Whitespace-only text is
+    held until more text comes, so a reply that only calls tools has no empty text part; calls past
+    `max_calls` are dropped.
 
-    An API's shapes come from a subclass: `TEXT` and `CALL` (the `type` of its text and call
-    parts), `_open_text()`, `_text(text)`, `_open_call(name)`, `_arguments(text)` and
-    `_close(status)`, each returning stream events; `_open_part(part)` opens a part after closing
-    the open one."""
+    An API's shapes come from a subclass: `REASONING`, `TEXT` and `CALL` (the `type` of its parts),
+    `_open_reasoning()`, `_reasoning(text)`, `_open_text()`, `_text(text)`, `_open_call(name)`,
+    `_arguments(text)` and `_close(status)`, each returning stream events; `_open_part(part)` opens
+    a part after closing the open one."""
 
+    REASONING = "reasoning"
     TEXT = "text"
     CALL = "call"
 
@@ -292,6 +425,9 @@ class ReplyParts:
         self.calls = 0
 
     def add(self, event: Any) -> list[Any]:
+        if isinstance(event, ReasoningDelta):
+            opened = self._open_type() == self.REASONING
+            return ([] if opened else self._open_reasoning()) + self._reasoning(event.text)
         if isinstance(event, str):
             if self._open_type() == self.TEXT:
                 return self._text(event)
@@ -333,6 +469,12 @@ class ReplyParts:
         self.calls += 1
         return self._open_call(name)
 
+    def _open_reasoning(self) -> list[Any]:
+        raise NotImplementedError
+
+    def _reasoning(self, text: str) -> list[Any]:
+        raise NotImplementedError
+
     def _open_text(self) -> list[Any]:
         raise NotImplementedError
 
@@ -355,41 +497,52 @@ def template_handles_tools(template_source: Optional[str]) -> bool:
     return bool(template_source) and "tools" in template_source
 
 
-def _system_prompt(tools: list[dict[str, Any]]) -> str:
+def _system_prompt(tools: list[dict[str, Any]], call_format: str = "hermes") -> str:
     signatures = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
+    if call_format == "glm":
+        how = ("To call a function, answer with its name and each argument as a key and a value between "
+               "<tool_call> and </tool_call>, one block per call:\n"
+               "<tool_call><function-name>\n<arg_key><argument-name></arg_key>\n"
+               "<arg_value><argument-value></arg_value>\n</tool_call>")
+    else:
+        how = ("To call a function, answer with a JSON object of its name and arguments between "
+               "<tool_call> and </tool_call>, one block per call:\n"
+               "<tool_call>\n{\"name\": <function-name>, \"arguments\": <arguments-as-a-JSON-object>}\n</tool_call>")
     return (
         "# Tools\n\n"
         "You may call one or more functions to help with the user's request. The functions you can "
         "call are described by the JSON signatures between <tools> and </tools>:\n"
-        f"<tools>\n{signatures}\n</tools>\n\n"
-        "To call a function, answer with a JSON object of its name and arguments between "
-        "<tool_call> and </tool_call>, one block per call:\n"
-        "<tool_call>\n{\"name\": <function-name>, \"arguments\": <arguments-as-a-JSON-object>}\n</tool_call>"
+        f"<tools>\n{signatures}\n</tools>\n\n" + how
     )
 
 
-def _render_call(call: dict[str, Any]) -> str:
+def _render_call(call: dict[str, Any], call_format: str = "hermes") -> str:
     fn = call.get("function") or {}
+    if call_format == "glm":
+        pairs = "".join(f"<arg_key>{k}</arg_key>\n<arg_value>"
+                        f"{v if isinstance(v, str) else json.dumps(v, ensure_ascii=False)}</arg_value>\n"
+                        for k, v in (fn.get("arguments") or {}).items())
+        return f"{TOOL_CALL_START}{fn.get('name')}\n{pairs}{TOOL_CALL_END}"
     return (TOOL_CALL_START + "\n"
             + json.dumps({"name": fn.get("name"), "arguments": fn.get("arguments")}, ensure_ascii=False)
             + "\n" + TOOL_CALL_END)
 
 
 def messages_with_tools(messages: list[dict[str, Any]], tools: Optional[list[dict[str, Any]]],
-                        ) -> list[dict[str, Any]]:
-    """The hermes convention written into plain messages, for a template that ignores tools: the
-    signatures in the system message (one is added first if there is none), assistant calls as
-    `<tool_call>` blocks, tool results between `<tool_response>` tags. `arguments` must already be
-    objects (see `arguments_as_objects`)."""
+                        call_format: str = "hermes") -> list[dict[str, Any]]:
+    """The calling convention of `call_format` ("hermes" or "glm") written into plain messages,
+    for a template that ignores tools: the signatures in the system message (one is added first
+    if there is none), assistant calls as `<tool_call>` blocks, tool results between
+    `<tool_response>` tags. `arguments` must already be objects (see `arguments_as_objects`)."""
     out = [dict(m) for m in messages]
     for m in out:
         if m.get("role") == "assistant" and m.get("tool_calls"):
-            blocks = "\n".join(_render_call(c) for c in m["tool_calls"])
+            blocks = "\n".join(_render_call(c, call_format) for c in m["tool_calls"])
             m["content"] = (m.get("content") or "") + ("\n" if m.get("content") else "") + blocks
         elif m.get("role") == "tool":
             m["content"] = f"<tool_response>\n{m.get('content') or ''}\n</tool_response>"
     if tools:
-        prompt = _system_prompt(tools)
+        prompt = _system_prompt(tools, call_format)
         if out and out[0].get("role") in ("system", "developer"):
             first = out[0]
             first["content"] = (first.get("content") or "") + ("\n\n" if first.get("content") else "") + prompt
@@ -399,14 +552,16 @@ def messages_with_tools(messages: list[dict[str, Any]], tools: Optional[list[dic
 
 
 def prepare_chat(messages: list[dict[str, Any]], tools: Optional[list[dict[str, Any]]],
-                 template_source: Optional[str]) -> tuple[list[dict[str, Any]], Optional[list[dict[str, Any]]]]:
+                 template_source: Optional[str], call_format: str = "hermes",
+                 ) -> tuple[list[dict[str, Any]], Optional[list[dict[str, Any]]]]:
     """The messages and tools to render with a chat template: calls' arguments as objects, and for
-    a template that ignores tools, tools and calls written into the messages (hermes convention).
-    Raises ValueError for a call in the history whose arguments are not a JSON object."""
+    a template that ignores tools, tools and calls written into the messages (in the convention of
+    the server's tool-call parser, hermes without one). Raises ValueError for a call in the
+    history whose arguments are not a JSON object."""
     messages = arguments_as_objects(messages)
     if template_handles_tools(template_source):
         return messages, tools
-    return messages_with_tools(messages, tools), None
+    return messages_with_tools(messages, tools, call_format), None
 
 
 def arguments_as_objects(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -1,0 +1,120 @@
+"""Reasoning in a reply (`--reasoning-parser`, vLLM's flag): the text a thinking model writes
+between `<think>` and `</think>` is the reply's reasoning, the rest its content.
+
+One format covers the parsers sluice accepts (vLLM's names `deepseek_r1`, `qwen3`, `glm45`,
+`glm47`): their models think between those two tags. Where the reply starts is read from the
+prompt: a prompt whose last `<think>` is open (a generation prompt that opens it: GLM-5.x always,
+DeepSeek-R1 and Qwen3's thinking templates; or a response prefill inside a thought) starts the
+reply inside its reasoning, which runs to `</think>` (or to
+the end of a reply cut short); otherwise the reply is content until a `<think>` opens reasoning
+(GLM-4.5 and Qwen3 write the tag themselves; a template that turned thinking off wrote
+`<think></think>` and the reply is content). A stray `</think>` in content is dropped. With a
+tool-call parser, a `<tool_call>` inside reasoning also ends it (GLM may call a tool without
+closing its thought); calls are parsed in content only.
+
+Events: reasoning comes out as `ReasoningDelta`s, content goes through the tool-call parser when
+there is one (its events: strings and calls), else as strings. Text is held back only while it
+could be the start of a tag.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+THINK_START = "<think>"
+THINK_END = "</think>"
+_TOOL_CALL_START = "<tool_call>"
+
+
+@dataclass
+class ReasoningDelta:
+    text: str
+
+
+def starts_in_reasoning(prompt_tail: str) -> bool:
+    """Whether a reply to a prompt ending with `prompt_tail` starts inside its reasoning: the
+    tail's last `<think>` is not closed (a generation prompt that opens the thought, or a response
+    prefill that is inside one)."""
+    start = prompt_tail.rfind(THINK_START)
+    return start >= 0 and prompt_tail.find(THINK_END, start) < 0
+
+
+def _held(text: str, tags: tuple[str, ...]) -> int:
+    """The length of the longest end of `text` that is a proper prefix of one of `tags`."""
+    best = 0
+    for tag in tags:
+        for k in range(min(len(text), len(tag) - 1), best, -1):
+            if tag.startswith(text[-k:]):
+                best = k
+                break
+    return best
+
+
+class ReasoningStream:
+    """Splits a reply into reasoning and content as its text arrives: `feed(delta)` and at the end
+    `finish()` return the events that are certain so far, in order. `content` makes the parser
+    content goes through (a tool-call parser), or None for plain text; with `keep` false the
+    reasoning is dropped (vLLM's `include_reasoning: false`)."""
+
+    def __init__(self, in_reasoning: bool, content: Optional[Callable[[], Any]] = None, keep: bool = True) -> None:
+        self._in_reasoning = in_reasoning
+        self._keep = keep
+        self._content = content() if content is not None else None
+        self._pending = ""
+
+    def feed(self, delta: str) -> list[Any]:
+        self._pending += delta
+        events: list[Any] = []
+        while True:
+            if self._in_reasoning:
+                ends = [(i, tag) for tag in ((THINK_END, _TOOL_CALL_START) if self._content is not None
+                                             else (THINK_END,))
+                        if (i := self._pending.find(tag)) >= 0]
+                if ends:
+                    i, tag = min(ends)
+                    if i:
+                        events += self._thought(self._pending[:i])
+                    # a closing tag is consumed; a call's opening tag starts the content
+                    self._pending = self._pending[i + len(THINK_END):] if tag == THINK_END else self._pending[i:]
+                    self._in_reasoning = False
+                    continue
+                keep = _held(self._pending, (THINK_END, _TOOL_CALL_START) if self._content is not None
+                             else (THINK_END,))
+                if len(self._pending) > keep:
+                    events += self._thought(self._pending[:len(self._pending) - keep])
+                    self._pending = self._pending[len(self._pending) - keep:]
+                return events
+            starts = [(i, tag) for tag in (THINK_START, THINK_END) if (i := self._pending.find(tag)) >= 0]
+            if starts:
+                i, tag = min(starts)
+                events += self._to_content(self._pending[:i])
+                self._pending = self._pending[i + len(tag):]
+                self._in_reasoning = tag == THINK_START
+                continue
+            keep = _held(self._pending, (THINK_START, THINK_END))
+            events += self._to_content(self._pending[:len(self._pending) - keep])
+            self._pending = self._pending[len(self._pending) - keep:]
+            return events
+
+    def finish(self) -> list[Any]:
+        pending, self._pending = self._pending, ""
+        if self._in_reasoning:
+            return self._thought(pending)
+        events = self._to_content(pending)
+        if self._content is not None:
+            events += self._content.finish()
+        return events
+
+    def _thought(self, text: str) -> list[Any]:
+        return [ReasoningDelta(text)] if text and self._keep else []
+
+    def _to_content(self, text: str) -> list[Any]:
+        if not text:
+            return []
+        return self._content.feed(text) if self._content is not None else [text]
+
+
+def reasoning_text(events: list[Any]) -> Optional[str]:
+    """A whole reply's reasoning, None when it has none."""
+    parts = [e.text for e in events if isinstance(e, ReasoningDelta)]
+    return "".join(parts) if parts else None
