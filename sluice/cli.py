@@ -5,6 +5,7 @@ import argparse
 import json
 import os
 import sys
+from pathlib import Path
 from typing import Optional
 
 
@@ -62,6 +63,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stall-timeout", type=float, default=30.0, metavar="SECONDS",
                    help="calls the engine schedules nothing for this long (a scheduler fault) end with a 500 "
                         "instead of waiting forever (default 30)")
+    p.add_argument("--chat-template", type=read_chat_template, default=None, metavar="PATH|TEMPLATE",
+                   help="a Jinja chat template file (or the template itself) to use in place of the model's own")
     p.add_argument("--stream-interval", type=int, default=1, metavar="N",
                    help="streamed calls get their tokens in chunks of at least N (the first and the last "
                         "chunk go at once); a call's own `stream_interval` may raise it (default 1)")
@@ -104,6 +107,9 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tool-call-parser", default=None, choices=["hermes", "glm45", "glm47"],
                    help="the model's tool-call format: hermes (<tool_call>{json}</tool_call>), glm45 / glm47 "
                         "(GLM-4.5 to GLM-5.x: <tool_call>name<arg_key>k</arg_key><arg_value>v</arg_value></tool_call>)")
+    p.add_argument("--default-chat-template-kwargs", type=parse_template_kwargs, default=None, metavar="JSON",
+                   help="template variables every chat gets unless its chat_template_kwargs sets them, e.g. "
+                        "'{\"enable_thinking\": false}'")
     p.add_argument("--reasoning-parser", default=None, choices=["deepseek_r1", "qwen3", "glm45", "glm47"],
                    help="a thinking model's <think>...</think> text becomes the reply's `reasoning` (chat), "
                         "reasoning items (/v1/responses) and thinking blocks (/v1/messages)")
@@ -160,6 +166,33 @@ def parse_max_active_workflows(text: str):
     if n <= 0:
         raise argparse.ArgumentTypeError(f"expected a positive integer, 'auto' or 'none', got {n}")
     return n
+
+
+def read_chat_template(value: str) -> str:
+    """`--chat-template`: a file's text, or the value itself when it is a template (it has Jinja
+    syntax; vLLM's rule), so a mistyped path is an error instead of a one-line template."""
+    path = Path(value).expanduser()
+    if path.is_file():
+        return path.read_text(encoding="utf-8")
+    if any(mark in value for mark in ("{{", "{%", "{#")):
+        return value
+    raise argparse.ArgumentTypeError(f"{value!r} is neither a file nor a Jinja template")
+
+
+def parse_template_kwargs(text: str) -> dict:
+    """`--default-chat-template-kwargs`: a JSON object whose names the template does not own."""
+    from sluice.tokenizer import RESERVED_TEMPLATE_NAMES
+
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    taken = sorted(RESERVED_TEMPLATE_NAMES.intersection(value))
+    if taken:
+        raise argparse.ArgumentTypeError(f"may not set {', '.join(taken)}")
+    return value
 
 
 def parse_speculative_config(text: Optional[str]):
@@ -223,6 +256,7 @@ def build_engine_config(args: argparse.Namespace):
         speculative=parse_speculative_config(args.speculative_config),
         stall_timeout_s=args.stall_timeout,
         stream_interval=args.stream_interval,
+        chat_template=args.chat_template,
     )
 
 
@@ -244,6 +278,7 @@ def build_server_config(args: argparse.Namespace):
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,
+        default_chat_template_kwargs=args.default_chat_template_kwargs,
         responses_store_size=args.responses_store_size,
         fault_inject_after_steps=args.fault_inject_after_steps,
         fault_inject_stall_after_steps=args.fault_inject_stall_after_steps,

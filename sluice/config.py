@@ -225,6 +225,9 @@ class EngineConfig:
     # save its first and its last (fewer, larger stream chunks: less work per token for the
     # server and the client); a request's own `stream_interval` may raise it.
     stream_interval: int = 1
+    # vLLM's `--chat-template`: this Jinja template in place of the model's own (the text; the CLI
+    # reads a file path into it).
+    chat_template: Optional[str] = None
 
     def __post_init__(self) -> None:
         check_weight_format(self.weight_format)
@@ -254,6 +257,9 @@ class ServerConfig:
     enable_auto_tool_choice: bool = False  # parse tool calls out of replies (tool_choice "auto")
     tool_call_parser: Optional[str] = None  # the model's tool-call format: one of TOOL_PARSERS
     reasoning_parser: Optional[str] = None  # one of REASONING_PARSERS: a reply's <think> text is its reasoning
+    # vLLM's `--default-chat-template-kwargs`: template variables every chat gets unless its own
+    # `chat_template_kwargs` sets them (e.g. {"enable_thinking": false} for a thinking model).
+    default_chat_template_kwargs: Optional[dict] = None
     responses_store_size: int = 1024      # stored /v1/responses (previous_response_id), LRU; 0: none
     fault_inject_after_steps: Optional[int] = None  # tests only: the engine loop fails after N busy steps
     fault_inject_stall_after_steps: Optional[int] = None  # tests only: the scheduler stalls after N busy steps

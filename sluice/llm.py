@@ -36,6 +36,7 @@ class LLM:
         speculative_config: Optional[dict] = None,    # e.g. {"method": "ngram"}; see SpeculativeConfig
         huge_pages: bool = True,                      # weights and KV cache on transparent huge pages
         weight_format: str = "auto",                  # "native": a GGUF's Q4_1/Q8_0 linears kept in blocks; "bf16"; "auto": by path
+        chat_template: Optional[str] = None,          # a Jinja template's text, in place of the model's own
     ) -> None:
         path: Path = resolve_model_path(model)
         cfg = load_model_config(path)
@@ -55,6 +56,7 @@ class LLM:
             huge_pages=huge_pages,
             weight_format=weight_format,
             speculative=SpeculativeConfig.from_dict(speculative_config) if speculative_config is not None else None,
+            chat_template=chat_template,
         ))
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()

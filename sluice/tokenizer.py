@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 import jinja2
+import jinja2.defaults
 import jinja2.sandbox
 from tokenizers import Tokenizer as HFTokenizer
 
@@ -116,6 +117,13 @@ class _PieceCache:
         return got
 
 
+# The variables apply_chat_template itself passes to the template.
+RENDER_VARIABLES = frozenset({"messages", "add_generation_prompt", "tools", "bos_token", "eos_token"})
+# Every name a template variable from a request or the server's defaults may not take: those and
+# the template environment's globals (jinja's default namespace and raise_exception).
+RESERVED_TEMPLATE_NAMES = RENDER_VARIABLES | frozenset(jinja2.defaults.DEFAULT_NAMESPACE) | {"raise_exception"}
+
+
 class Tokenizer:
     def __init__(self, info: TokenizerInfo) -> None:
         self._tok = HFTokenizer.from_str(info.tokenizer_json)
@@ -146,15 +154,12 @@ class Tokenizer:
             )
             self._template = env.from_string(info.chat_template)
 
-    # The variables apply_chat_template itself passes to the template.
-    _RENDER_VARIABLES = frozenset({"messages", "add_generation_prompt", "tools", "bos_token", "eos_token"})
-
     @property
     def reserved_template_names(self) -> frozenset[str]:
         """Names extra template variables may not take: those apply_chat_template passes, and the
         template environment's own (range, namespace, raise_exception, ...)."""
         env = frozenset(self._template.environment.globals) if self._template is not None else frozenset()
-        return self._RENDER_VARIABLES | env
+        return RENDER_VARIABLES | env
 
     @property
     def has_chat_template(self) -> bool:

@@ -84,7 +84,7 @@ class LLMEngine:
         path = config.model_path
         from pathlib import Path
 
-        self.tokenizer = tokenizer or load_tokenizer(Path(path))
+        self.tokenizer = tokenizer or load_tokenizer(Path(path), config.chat_template)
         plan = plan_for(config)   # before loading: a budget that cannot work fails at once
         num_blocks = plan.num_blocks
         capacity = num_blocks * config.cache.block_size

@@ -1,6 +1,7 @@
 """Find a model, read its config, build it and load its weights (HF folder or GGUF file)."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from collections import Counter
@@ -86,12 +87,17 @@ def load_model_config(path: Path) -> ModelConfig:
     return model_config_from_hf(json.loads((path / "config.json").read_text()))
 
 
-def load_tokenizer(path: Path) -> Tokenizer:
+def load_tokenizer(path: Path, chat_template: Optional[str] = None) -> Tokenizer:
+    """The model's tokenizer; `chat_template` (a template's text) replaces the model's own."""
     if _is_gguf(path):
         from sluice.model.gguf_loader import read_gguf
 
-        return Tokenizer(read_gguf(path).tokenizer)
-    return Tokenizer.from_hf_folder(path)
+        tok = Tokenizer(read_gguf(path).tokenizer)
+    else:
+        tok = Tokenizer.from_hf_folder(path)
+    if chat_template is not None:
+        tok = Tokenizer(dataclasses.replace(tok.info, chat_template=chat_template))
+    return tok
 
 
 def _iter_safetensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:

@@ -346,6 +346,7 @@ class OpenAIServing:
                            "with the served model's template", param="chat_template")
         kwargs: dict[str, Any] = dict(request.chat_template_kwargs or {})
         taken = sorted(self.tokenizer.reserved_template_names.intersection(kwargs))
+        kwargs = {**(self.server_config.default_chat_template_kwargs or {}), **kwargs}
         if taken:
             raise APIError(400, f"chat_template_kwargs may not set {', '.join(taken)}; use the request's "
                            "own fields", param="chat_template_kwargs")

@@ -174,7 +174,7 @@ class OpenAIServingChat(OpenAIServing):
 
     async def _collect(
         self, request: ChatCompletionRequest, request_id: str, prompt_ids: list[int],
-        num_logprobs: Optional[int], streams: GenerationStreams, parse_tools: Optional[Callable[[], Any]],
+        num_logprobs: Optional[int], streams: GenerationStreams, parse_reply: Optional[Callable[[], Any]],
     ) -> ChatCompletionResponse:
         ids = bool(request.return_token_ids)
         latest: dict[int, CompletionOutput] = {}
@@ -195,8 +195,8 @@ class OpenAIServingChat(OpenAIServing):
                                                None if request.logprob_token_ids else num_logprobs,
                                                bool(request.return_tokens_as_token_ids))
             content, calls, parsed, reasoning = sample.text, [], False, None
-            if parse_tools is not None:
-                parser = parse_tools()
+            if parse_reply is not None:
+                parser = parse_reply()
                 events = parser.feed(sample.text) + parser.finish()
                 content, calls, parsed = reply_parts(events)
                 reasoning = reasoning_text(events)
@@ -232,7 +232,7 @@ class OpenAIServingChat(OpenAIServing):
         n: int,
         num_logprobs: Optional[int],
         streams: GenerationStreams,
-        parse_tools: Optional[Callable[[], Any]] = None,
+        parse_reply: Optional[Callable[[], Any]] = None,
     ) -> AsyncIterator[str]:
         created = now_s()
         prompt_len = len(prompt_ids)
@@ -287,8 +287,8 @@ class OpenAIServingChat(OpenAIServing):
                     # What this output adds, in order: content strings and (when parsing tool
                     # calls) whole calls; text that may open a <tool_call> is held back.
                     events: list = [sample.text_delta] if sample.text_delta else []
-                    if parse_tools is not None:
-                        parser = parsers.get(sample.index) or parsers.setdefault(sample.index, parse_tools())
+                    if parse_reply is not None:
+                        parser = parsers.get(sample.index) or parsers.setdefault(sample.index, parse_reply())
                         events = parser.feed(sample.text_delta) if sample.text_delta else []
                         if done:
                             events += parser.finish()

@@ -322,12 +322,12 @@ class AnthropicServingMessages(OpenAIServingChat):
         arrival = time.monotonic()
         self.check_model(request.model)
         _check_thinking(request)
-        chat, parse_tools, prompt_ids, params = await self.prepare_translated(
+        chat, parse_reply, prompt_ids, params = await self.prepare_translated(
             self._chat_body(request), "messages", "output_config", _CHAT_PARAMS)
         message_id = f"msg_{uuid.uuid4().hex[:24]}"
         streams = await self.start_streams(raw_request, [EngineCall(message_id, prompt_ids, params)],
                                            self.workflow_info(chat, raw_request), arrival)
-        reply = _Reply(self.model_name, message_id, len(prompt_ids), parse_tools,
+        reply = _Reply(self.model_name, message_id, len(prompt_ids), parse_reply,
                        1 if chat.parallel_tool_calls is False else None)
         if request.stream:
             streams.stop_watching()
@@ -376,12 +376,12 @@ class _Reply:
     """One message being generated: the engine's outputs through the tool parser into content
     blocks, and the final message."""
 
-    def __init__(self, model: str, message_id: str, prompt_len: int, parse_tools: Optional[Callable[[], Any]],
+    def __init__(self, model: str, message_id: str, prompt_len: int, parse_reply: Optional[Callable[[], Any]],
                  max_calls: Optional[int]) -> None:
         self.model = model
         self.message_id = message_id
         self.prompt_len = prompt_len
-        self.parser = parse_tools() if parse_tools is not None else None
+        self.parser = parse_reply() if parse_reply is not None else None
         self.blocks = ContentBlocks(max_calls)
         self.sample: Optional[CompletionOutput] = None
         self.cached_tokens = 0

@@ -368,7 +368,7 @@ class OpenAIServingResponses(OpenAIServingChat):
         items = (previous.input_items + previous.response["output"] if previous is not None
                  else []) + input_item_objects(request.input)
         system = [{"role": "system", "content": request.instructions}] if request.instructions else []
-        chat, parse_tools, prompt_ids, params = await self.prepare_translated(
+        chat, parse_reply, prompt_ids, params = await self.prepare_translated(
             self._chat_body(request, system + history + new_messages), "input", "text", _CHAT_PARAMS)
         response_id = _item_id("resp")
         workflow = self.workflow_info(chat, raw_request)
@@ -380,7 +380,7 @@ class OpenAIServingResponses(OpenAIServingChat):
                 workflow = dataclasses.replace(workflow, workflow_id=chain)
         streams = await self.start_streams(raw_request, [EngineCall(response_id, prompt_ids, params)], workflow,
                                            arrival)
-        reply = _Reply(self, request, response_id, len(prompt_ids), parse_tools, history + new_messages,
+        reply = _Reply(self, request, response_id, len(prompt_ids), parse_reply, history + new_messages,
                        workflow.workflow_id, items)
         if request.stream:
             streams.stop_watching()
@@ -488,14 +488,14 @@ class _Reply:
     output items, and gives the final response object (stored when the request says so)."""
 
     def __init__(self, serving: OpenAIServingResponses, request: ResponsesRequest, response_id: str,
-                 prompt_len: int, parse_tools: Optional[Callable[[], Any]], conversation: list[dict[str, Any]],
+                 prompt_len: int, parse_reply: Optional[Callable[[], Any]], conversation: list[dict[str, Any]],
                  workflow_id: Optional[str], input_items: list[dict[str, Any]]) -> None:
         self.serving = serving
         self.request = request
         self.response_id = response_id
         self.created = now_s()
         self.prompt_len = prompt_len
-        self.parser = parse_tools() if parse_tools is not None else None
+        self.parser = parse_reply() if parse_reply is not None else None
         self.items = OutputItems(max_calls=1 if request.parallel_tool_calls is False else request.max_tool_calls)
         self.conversation = conversation
         self.workflow_id = workflow_id

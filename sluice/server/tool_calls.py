@@ -234,7 +234,7 @@ class ToolCallStream:
     Concatenating the events of any split of a text gives what the whole text gives. A block's
     body is read by `parse_body` (hermes JSON by default; `glm_call_parser` for GLM's format)."""
 
-    def __init__(self, parse_body: Callable[[str], Optional[ParsedToolCall]] = None) -> None:
+    def __init__(self, parse_body: Optional[Callable[[str], Optional[ParsedToolCall]]] = None) -> None:
         self._parse = parse_body or (lambda body: parse_call_body(body.strip()))
         self._pending = ""          # text not yet emitted
         self._in_call = False       # inside a <tool_call> block (its opening tag consumed)
