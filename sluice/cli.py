@@ -104,9 +104,10 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-requests", action="store_true")
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="answer tool calls the model writes as `tool_calls` (tool_choice \"auto\"; needs --tool-call-parser)")
-    p.add_argument("--tool-call-parser", default=None, choices=["hermes", "glm45", "glm47"],
+    p.add_argument("--tool-call-parser", default=None, choices=["hermes", "glm45", "glm47", "qwen3_coder", "qwen3_xml"],
                    help="the model's tool-call format: hermes (<tool_call>{json}</tool_call>), glm45 / glm47 "
-                        "(GLM-4.5 to GLM-5.x: <tool_call>name<arg_key>k</arg_key><arg_value>v</arg_value></tool_call>)")
+                        "(GLM-4.5 to GLM-5.x: <tool_call>name<arg_key>k</arg_key><arg_value>v</arg_value></tool_call>), "
+                        "qwen3_coder / qwen3_xml (<tool_call><function=name><parameter=k>v</parameter></function></tool_call>)")
     p.add_argument("--default-chat-template-kwargs", type=parse_template_kwargs, default=None, metavar="JSON",
                    help="template variables every chat gets unless its chat_template_kwargs sets them, e.g. "
                         "'{\"enable_thinking\": false}'")

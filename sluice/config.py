@@ -237,7 +237,7 @@ class EngineConfig:
             raise ValueError("the stall timeout must be a positive number of seconds")
 
 
-TOOL_PARSERS = ("hermes", "glm45", "glm47")   # the tool-call formats sluice parses (sluice/server/tool_calls.py)
+TOOL_PARSERS = ("hermes", "glm45", "glm47", "qwen3_coder", "qwen3_xml")   # the tool-call formats sluice parses (sluice/server/tool_calls.py)
 REASONING_PARSERS = ("deepseek_r1", "qwen3", "glm45", "glm47")   # <think> ... </think> (sluice/server/reasoning.py)
 
 

@@ -30,6 +30,10 @@ or newlines may separate the parts; a call may have no arguments). Values are te
 typed by its parameter's schema in the request's tools (null, integer, number, boolean, object,
 array, string, first that fits), a value of a parameter without one stays a string. A block that
 names no tool of the request, or holds anything besides its name and argument pairs, stays text.
+
+The "qwen3_coder" / "qwen3_xml" format (Qwen3-Coder and later Qwen models; vLLM's names):
+`<tool_call>\n<function=NAME>\n<parameter=KEY>\nVALUE\n</parameter>...</function>\n</tool_call>`,
+each value typed as GLM's are, without the newline on each side of it.
 """
 from __future__ import annotations
 
@@ -44,7 +48,8 @@ from sluice.server.reasoning import ReasoningDelta
 
 TOOL_CALL_START = "<tool_call>"
 TOOL_CALL_END = "</tool_call>"
-CALL_FORMATS = {"hermes": "hermes", "glm45": "glm", "glm47": "glm"}   # --tool-call-parser -> format
+# --tool-call-parser -> format
+CALL_FORMATS = {"hermes": "hermes", "glm45": "glm", "glm47": "glm", "qwen3_coder": "qwen_xml", "qwen3_xml": "qwen_xml"}
 
 
 def tool_call_id() -> str:
@@ -190,40 +195,82 @@ def typed_value(text: str, types: set[str]) -> Any:
     return text
 
 
-def glm_call_parser(tools: Optional[list[dict[str, Any]]]) -> Callable[[str], Optional[ParsedToolCall]]:
-    """The body of a GLM `<tool_call>` block as a call of one of `tools` (OpenAI's function tool
-    dicts), or None when it is not one."""
+def _tool_properties(tools: Optional[list[dict[str, Any]]]) -> dict[str, dict[str, Any]]:
+    """Each function tool's name -> its parameters' schemas (`properties`)."""
     properties: dict[str, dict[str, Any]] = {}
     for tool in tools or []:
         fn = tool.get("function") or {}
         if isinstance(fn.get("name"), str):
             props = (fn.get("parameters") or {}).get("properties")
             properties[fn["name"]] = props if isinstance(props, dict) else {}
+    return properties
+
+
+def _pairs_call(name: str, text: str, pair: re.Pattern, properties: dict[str, dict[str, Any]],
+                value: Callable[[str], str] = lambda v: v) -> Optional[ParsedToolCall]:
+    """A call of `name` whose arguments are `text`: key/value matches of `pair` (groups 1, 2) and
+    whitespace only; each value (after `value`) typed by its parameter's schema."""
+    if name not in properties:
+        return None
+    args: dict[str, Any] = {}
+    pos = 0
+    while text[pos:].strip():
+        m = pair.match(text, pos)
+        if m is None:
+            return None
+        key, raw = m.group(1).strip(), value(m.group(2))
+        schema = properties[name].get(key)
+        args[key] = typed_value(raw, schema_types(schema)) if schema is not None else raw
+        pos = m.end()
+    return ParsedToolCall(name, json.dumps(args, ensure_ascii=False))
+
+
+def glm_call_parser(tools: Optional[list[dict[str, Any]]]) -> Callable[[str], Optional[ParsedToolCall]]:
+    """The body of a GLM `<tool_call>` block as a call of one of `tools` (OpenAI's function tool
+    dicts), or None when it is not one."""
+    properties = _tool_properties(tools)
 
     def parse(body: str) -> Optional[ParsedToolCall]:
         start = body.find(_GLM_ARG_KEY)
-        name = (body if start < 0 else body[:start]).strip()
-        if name not in properties:
-            return None
-        args: dict[str, Any] = {}
-        pos, rest = 0, body[start:] if start >= 0 else ""
-        while rest[pos:].strip():
-            m = _GLM_PAIR.match(rest, pos)
-            if m is None:
-                return None
-            key = m.group(1).strip()
-            schema = properties[name].get(key)
-            args[key] = typed_value(m.group(2), schema_types(schema)) if schema is not None else m.group(2)
-            pos = m.end()
-        return ParsedToolCall(name, json.dumps(args, ensure_ascii=False))
+        if start < 0:
+            return _pairs_call(body.strip(), "", _GLM_PAIR, properties)
+        return _pairs_call(body[:start].strip(), body[start:], _GLM_PAIR, properties)
 
     return parse
 
 
+_QWEN_FUNCTION = re.compile(r"\s*<function=([^>\n]+)>(.*)</function>\s*", re.DOTALL)
+_QWEN_PARAMETER = re.compile(r"\s*<parameter=([^>\n]+)>(.*?)</parameter>", re.DOTALL)
+
+
+def _unwrap_newlines(value: str) -> str:
+    """A Qwen XML value without the one newline the format puts on each side of it."""
+    value = value[1:] if value.startswith("\n") else value
+    return value[:-1] if value.endswith("\n") else value
+
+
+def qwen_xml_call_parser(tools: Optional[list[dict[str, Any]]]) -> Callable[[str], Optional[ParsedToolCall]]:
+    """The body of a Qwen3-Coder `<tool_call>` block (`<function=NAME>` with `<parameter=KEY>`
+    values, each between newlines) as a call of one of `tools`, or None when it is not one."""
+    properties = _tool_properties(tools)
+
+    def parse(body: str) -> Optional[ParsedToolCall]:
+        m = _QWEN_FUNCTION.fullmatch(body)
+        if m is None:
+            return None
+        return _pairs_call(m.group(1).strip(), m.group(2), _QWEN_PARAMETER, properties, _unwrap_newlines)
+
+    return parse
+
+
+_BODY_PARSERS = {"glm": glm_call_parser, "qwen_xml": qwen_xml_call_parser}
+
+
 def call_parser_factory(parser_name: str, tools: Optional[list[dict[str, Any]]]) -> Callable[[], "ToolCallStream"]:
     """Per-choice stream parsers for `--tool-call-parser parser_name` and a request's tools."""
-    if CALL_FORMATS[parser_name] == "glm":
-        parse = glm_call_parser(tools)
+    fmt = CALL_FORMATS[parser_name]
+    if fmt in _BODY_PARSERS:
+        parse = _BODY_PARSERS[fmt](tools)
         return lambda: ToolCallStream(parse)
     return ToolCallStream
 
@@ -504,6 +551,11 @@ def _system_prompt(tools: list[dict[str, Any]], call_format: str = "hermes") -> 
                "<tool_call> and </tool_call>, one block per call:\n"
                "<tool_call><function-name>\n<arg_key><argument-name></arg_key>\n"
                "<arg_value><argument-value></arg_value>\n</tool_call>")
+    elif call_format == "qwen_xml":
+        how = ("To call a function, answer with its name and each argument as a parameter between "
+               "<tool_call> and </tool_call>, one block per call:\n"
+               "<tool_call>\n<function=<function-name>>\n<parameter=<argument-name>>\n<argument-value>\n"
+               "</parameter>\n</function>\n</tool_call>")
     else:
         how = ("To call a function, answer with a JSON object of its name and arguments between "
                "<tool_call> and </tool_call>, one block per call:\n"
@@ -523,6 +575,10 @@ def _render_call(call: dict[str, Any], call_format: str = "hermes") -> str:
                         f"{v if isinstance(v, str) else json.dumps(v, ensure_ascii=False)}</arg_value>\n"
                         for k, v in (fn.get("arguments") or {}).items())
         return f"{TOOL_CALL_START}{fn.get('name')}\n{pairs}{TOOL_CALL_END}"
+    if call_format == "qwen_xml":
+        params = "".join(f"<parameter={k}>\n{v if isinstance(v, str) else json.dumps(v, ensure_ascii=False)}\n"
+                         f"</parameter>\n" for k, v in (fn.get("arguments") or {}).items())
+        return f"{TOOL_CALL_START}\n<function={fn.get('name')}>\n{params}</function>\n{TOOL_CALL_END}"
     return (TOOL_CALL_START + "\n"
             + json.dumps({"name": fn.get("name"), "arguments": fn.get("arguments")}, ensure_ascii=False)
             + "\n" + TOOL_CALL_END)

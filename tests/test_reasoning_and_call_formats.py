@@ -1,6 +1,6 @@
-"""The reasoning split (`--reasoning-parser`) and the GLM tool-call format (`--tool-call-parser
-glm45|glm47`) on hand-built replies: whole and split at every point, the split's events are the
-whole text's."""
+"""The reasoning split (`--reasoning-parser`) and the GLM and Qwen XML tool-call formats
+(`--tool-call-parser glm45|glm47|qwen3_coder|qwen3_xml`) on hand-built replies: whole and split at
+every point, the split's events are the whole text's."""
 from __future__ import annotations
 
 import json
@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 
 from sluice.server.reasoning import ReasoningDelta, ReasoningStream, reasoning_text, starts_in_reasoning
 from sluice.server.tool_calls import (
-    ParsedToolCall, ToolCallStream, call_parser_factory, glm_call_parser, schema_types, typed_value,
+    ParsedToolCall, ToolCallStream, call_parser_factory, glm_call_parser, prepare_chat, qwen_xml_call_parser,
+    schema_types, typed_value,
 )
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {
@@ -175,8 +176,6 @@ def test_an_assistant_turns_reasoning_reaches_the_template_under_both_names():
 
 
 def test_glm_calls_in_the_history_are_written_in_glm_format_for_a_template_without_tools():
-    from sluice.server.tool_calls import prepare_chat
-
     messages = [{"role": "user", "content": "Weather?"},
                 {"role": "assistant", "content": None, "tool_calls": [{"id": "c", "type": "function", "function": {
                     "name": "get_weather", "arguments": '{"city": "Paris", "days": 2}'}}]}]
@@ -184,3 +183,41 @@ def test_glm_calls_in_the_history_are_written_in_glm_format_for_a_template_witho
     assert tools is None and "<arg_key>" in out[0]["content"]          # the convention, in the system message
     body = out[2]["content"].removeprefix("<tool_call>").removesuffix("</tool_call>")
     assert glm(body) == ParsedToolCall("get_weather", '{"city": "Paris", "days": 2}')   # what it writes, it reads
+
+
+# --- the Qwen XML format ---------------------------------------------------------------------------
+
+QWEN_CALL = ("<tool_call>\n<function=get_weather>\n<parameter=city>\nNew York\n</parameter>\n"
+             "<parameter=days>\n3\n</parameter>\n<parameter=tags>\n[\"a\"]\n</parameter>\n"
+             "<parameter=note>\nline one\nline two\n</parameter>\n</function>\n</tool_call>")
+
+
+def test_qwen_xml_calls_whole_and_split_at_every_point():
+    parse = call_parser_factory("qwen3_coder", TOOLS)
+    text = "Let me check.\n" + QWEN_CALL + "\n<tool_call>\n<function=now>\n</function>\n</tool_call>"
+    expected = ["Let me check.\n",
+                ParsedToolCall("get_weather", json.dumps({"city": "New York", "days": 3, "tags": ["a"],
+                                                          "note": "line one\nline two"})),
+                "\n", ParsedToolCall("now", "{}")]
+    for cut in range(len(text) + 1):
+        assert run(parse(), text, (cut,)) == expected, cut
+    assert call_parser_factory("qwen3_xml", TOOLS)().feed(QWEN_CALL) == expected[1:2]
+
+
+@pytest.mark.parametrize("body", [
+    "\n<function=unknown>\n</function>\n",
+    "\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\nmore text\n</function>\n",
+    "\n<function=get_weather>\n<parameter=city>\nParis\n",                 # cut short
+    "get_weather",
+])
+def test_qwen_xml_blocks_that_are_not_calls(body):
+    assert qwen_xml_call_parser(TOOLS)(body) is None
+
+
+def test_qwen_xml_calls_in_the_history_round_trip():
+    messages = [{"role": "assistant", "content": None, "tool_calls": [{"id": "c", "type": "function", "function": {
+        "name": "get_weather", "arguments": '{"city": "Paris", "days": 2, "tags": ["x"]}'}}]}]
+    out, _ = prepare_chat(messages, TOOLS, "{{ messages }}", "qwen_xml")
+    assert "<parameter=" in out[0]["content"]
+    body = out[1]["content"].removeprefix("<tool_call>").removesuffix("</tool_call>")
+    assert qwen_xml_call_parser(TOOLS)(body) == ParsedToolCall("get_weather", '{"city": "Paris", "days": 2, "tags": ["x"]}')
