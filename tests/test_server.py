@@ -808,25 +808,27 @@ def test_speculative_server_streams_the_same_text(server: RemoteServer, model: s
 def test_chat_template_and_default_kwargs_flags(tmp_path) -> None:
     """`--chat-template FILE` replaces the model's template; `--default-chat-template-kwargs` gives
     every chat its variables unless the request's `chat_template_kwargs` sets them; the request's
-    `reasoning_effort` reaches the template as that variable. Bad values are a startup error."""
+    `reasoning_effort` and `documents` reach the template as those variables. Bad values are a
+    startup error."""
     from sluice.model.loader import load_tokenizer
 
     own = load_tokenizer(ensure_default_model()).info.chat_template
     template = tmp_path / "chat.jinja"
-    template.write_text("[{{ greeting }}|{{ reasoning_effort | default('-') }}]" + own)
+    template.write_text("[{{ greeting }}|{{ reasoning_effort | default('-') }}|{{ documents | default([]) | length }}]" + own)
     args = SERVER_ARGS + ["--chat-template", str(template), "--default-chat-template-kwargs", '{"greeting": "Ahoy"}']
     with RemoteServer(args) as remote:
         def prompt(**body) -> str:
             ids = post(remote, "/tokenize", {"messages": MESSAGES, **body})["tokens"]
             return post(remote, "/detokenize", {"tokens": ids})["prompt"]
 
-        assert prompt().startswith("[Ahoy|-]")
-        assert prompt(chat_template_kwargs={"greeting": "Hi"}).startswith("[Hi|-]")
+        assert prompt().startswith("[Ahoy|-|0]")
+        assert prompt(chat_template_kwargs={"greeting": "Hi"}).startswith("[Hi|-|0]")
+        assert prompt(documents=[{"title": "a", "text": "b"}, {"title": "c", "text": "d"}]).startswith("[Ahoy|-|2]")
         client = openai.OpenAI(base_url=remote.base_url, api_key="unused", max_retries=0, timeout=120)
         model = client.models.list().data[0].id
         plain = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=1)
         high = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=1, reasoning_effort="high")
-        assert high.usage.prompt_tokens > plain.usage.prompt_tokens     # "[Ahoy|high]" against "[Ahoy|-]"
+        assert high.usage.prompt_tokens > plain.usage.prompt_tokens     # "[Ahoy|high|0]" against "[Ahoy|-|0]"
         with pytest.raises(openai.BadRequestError):
             client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=1,
                                            extra_body={"chat_template_kwargs": {"messages": []}})

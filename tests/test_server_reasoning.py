@@ -163,3 +163,28 @@ def test_unknown_parsers_are_a_startup_error() -> None:
         proc = subprocess.run([sys.executable, "-m", "sluice.cli", "serve", flag, "nope"],
                               capture_output=True, text=True, timeout=120)
         assert proc.returncode == 2 and "invalid choice" in proc.stderr
+
+
+def test_prompt_text_documents_and_thinking_budget(server: RemoteServer, client: openai.OpenAI, model: str) -> None:
+    """vLLM's `return_prompt_text` (the prompt the model ran on: what /tokenize renders, whole and
+    in the first streamed chunk), `documents` reaching the template (this one ignores them, so the
+    prompt is unchanged; tests/test_server.py checks template variables reach a template), and
+    `thinking_token_budget`, which sluice does not enforce, refused instead of ignored."""
+    ids = httpx.post(server.url + "/tokenize", json={"model": model, "messages": THINK_SHOT}).json()["tokens"]
+    text = httpx.post(server.url + "/detokenize", json={"model": model, "tokens": ids}).json()["prompt"]
+    whole = client.chat.completions.create(model=model, messages=THINK_SHOT, max_tokens=2, temperature=0,
+                                           extra_body={"return_prompt_text": True})
+    assert whole.model_extra["prompt_text"] == text and text.endswith("<|im_start|>assistant\n")
+    chunks = list(client.chat.completions.create(model=model, messages=THINK_SHOT, max_tokens=2, temperature=0,
+                                                 stream=True, extra_body={"return_prompt_text": True}))
+    assert chunks[0].model_extra["prompt_text"] == text
+    assert all("prompt_text" not in c.model_extra for c in chunks[1:])
+    plain = client.chat.completions.create(model=model, messages=THINK_SHOT, max_tokens=2, temperature=0)
+    assert "prompt_text" not in plain.model_extra
+    docs = client.chat.completions.create(model=model, messages=THINK_SHOT, max_tokens=2, temperature=0,
+                                          extra_body={"documents": [{"title": "t", "text": "x"}]})
+    assert docs.usage.prompt_tokens == plain.usage.prompt_tokens
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=model, messages=THINK_SHOT, max_tokens=2,
+                                       extra_body={"thinking_token_budget": 10})
+    assert "thinking_token_budget" in str(e.value)

@@ -399,6 +399,9 @@ class ChatTemplateInput(OpenAIRequestModel):
     add_generation_prompt: Optional[bool] = True
     continue_final_message: Optional[bool] = False
     chat_template_kwargs: Optional[dict[str, Any]] = None
+    # vLLM's: documents for a template that does retrieval-augmented generation (its `documents`
+    # variable, as transformers' apply_chat_template passes it); a template without RAG ignores them.
+    documents: Optional[list[dict[str, str]]] = None
     add_special_tokens: Optional[bool] = False   # on top of what the template writes
     chat_template: Optional[str] = None   # refused: the served model's template is the only one
 
@@ -416,6 +419,9 @@ class ChatCompletionRequest(SamplingRequest, ChatTemplateInput):
     # reply; `reasoning_effort` goes to the chat template as that variable (GLM-5.x reads it).
     include_reasoning: Optional[bool] = True
     reasoning_effort: Optional[Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]] = None
+    # vLLM's: the prompt text the model ran on (the template's output) in the response; streamed,
+    # in the first chunk.
+    return_prompt_text: Optional[bool] = None
     logprobs: Optional[bool] = False
     top_logprobs: Optional[int] = documented(minimum=0)
     tool_choice: Optional[Union[Literal["none", "auto", "required"], NamedToolChoice]] = None
@@ -642,6 +648,7 @@ class ChatCompletionResponse(BaseModel):
     usage: UsageInfo
     prompt_logprobs: Optional[PromptLogprobs] = None
     prompt_token_ids: Optional[list[int]] = _token_ids_field()
+    prompt_text: Optional[str] = _token_ids_field()     # vLLM's return_prompt_text
 
 
 class _DropNone(BaseModel):
@@ -693,6 +700,7 @@ class ChatCompletionStreamResponse(BaseModel):
     choices: list[ChatCompletionStreamChoice]
     usage: Optional[UsageInfo] = None
     prompt_token_ids: Optional[list[int]] = _token_ids_field()
+    prompt_text: Optional[str] = _token_ids_field()     # vLLM's return_prompt_text (first chunk)
 
 
 class CompletionLogprobs(BaseModel):

@@ -130,6 +130,10 @@ class OpenAIServingChat(OpenAIServing):
         in_reasoning = starts_in_reasoning(self.tokenizer.decode(prompt_ids[-32:], skip_special_tokens=False))
         return lambda: ReasoningStream(in_reasoning, parse_tools, include_reasoning)
 
+    def prompt_text(self, request: ChatCompletionRequest, prompt_ids: list[int]) -> Optional[str]:
+        """vLLM's `return_prompt_text`: the text of the prompt the model ran on (after truncation)."""
+        return self.tokenizer.decode(prompt_ids, skip_special_tokens=False) if request.return_prompt_text else None
+
     def _num_logprobs(self, request: ChatCompletionRequest) -> Optional[int]:
         if not request.logprobs:
             if request.top_logprobs:
@@ -222,6 +226,7 @@ class OpenAIServingChat(OpenAIServing):
             usage=UsageInfo.of(len(prompt_ids), completion_tokens, cached_tokens),
             prompt_logprobs=prompt_logprobs,
             prompt_token_ids=list(prompt_ids) if ids else None,
+            prompt_text=self.prompt_text(request, prompt_ids),
         )
 
     async def _stream(
@@ -258,6 +263,7 @@ class OpenAIServingChat(OpenAIServing):
             return sse_event(ChatCompletionStreamResponse(
                 id=request_id, created=created, model=self.model_name, choices=choices, usage=usage,
                 prompt_token_ids=list(prompt_ids) if ids and first else None,
+                prompt_text=self.prompt_text(request, prompt_ids) if first else None,
             ))
 
         latest: dict[int, CompletionOutput] = {}
