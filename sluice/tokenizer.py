@@ -156,10 +156,9 @@ class Tokenizer:
 
     @property
     def reserved_template_names(self) -> frozenset[str]:
-        """Names extra template variables may not take: those apply_chat_template passes, and the
-        template environment's own (range, namespace, raise_exception, ...)."""
-        env = frozenset(self._template.environment.globals) if self._template is not None else frozenset()
-        return RENDER_VARIABLES | env
+        """Names extra template variables may not take (RESERVED_TEMPLATE_NAMES; without a template,
+        only those apply_chat_template passes)."""
+        return RESERVED_TEMPLATE_NAMES if self._template is not None else RENDER_VARIABLES
 
     @property
     def has_chat_template(self) -> bool:
@@ -208,33 +207,37 @@ class Tokenizer:
 
     @classmethod
     def from_hf_folder(cls, folder: str | Path) -> "Tokenizer":
-        folder = Path(folder)
-        tok_json = (folder / "tokenizer.json").read_text(encoding="utf-8")
-        cfg: dict = {}
-        if (folder / "tokenizer_config.json").exists():
-            cfg = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
-        template = cfg.get("chat_template")
-        if (folder / "chat_template.jinja").exists():
-            template = (folder / "chat_template.jinja").read_text(encoding="utf-8")
-        if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
-            named = {t.get("name"): t.get("template") for t in template}
-            template = named.get("default") or next(iter(named.values()), None)
+        return cls(hf_folder_info(folder))
 
-        def _tok_str(v: Any) -> Optional[str]:
-            return v.get("content") if isinstance(v, dict) else v
 
-        eos_ids: list[int] = []
-        gen_cfg = folder / "generation_config.json"
-        if gen_cfg.exists():
-            e = json.loads(gen_cfg.read_text(encoding="utf-8")).get("eos_token_id")
-            eos_ids = [e] if isinstance(e, int) else list(e or [])
-        return cls(
-            TokenizerInfo(
-                tokenizer_json=tok_json,
-                chat_template=template,
-                bos_token=_tok_str(cfg.get("bos_token")),
-                eos_token=_tok_str(cfg.get("eos_token")),
-                add_bos_token=bool(cfg.get("add_bos_token", False)),
-                eos_token_ids=tuple(eos_ids),
-            )
-        )
+def hf_folder_info(folder: str | Path) -> TokenizerInfo:
+    """The tokenizer of an HF folder: tokenizer.json, tokenizer_config.json (its chat template, or
+    chat_template.jinja beside it), generation_config.json's end ids."""
+    folder = Path(folder)
+    tok_json = (folder / "tokenizer.json").read_text(encoding="utf-8")
+    cfg: dict = {}
+    if (folder / "tokenizer_config.json").exists():
+        cfg = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
+    template = cfg.get("chat_template")
+    if (folder / "chat_template.jinja").exists():
+        template = (folder / "chat_template.jinja").read_text(encoding="utf-8")
+    if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
+        named = {t.get("name"): t.get("template") for t in template}
+        template = named.get("default") or next(iter(named.values()), None)
+
+    def _tok_str(v: Any) -> Optional[str]:
+        return v.get("content") if isinstance(v, dict) else v
+
+    eos_ids: list[int] = []
+    gen_cfg = folder / "generation_config.json"
+    if gen_cfg.exists():
+        e = json.loads(gen_cfg.read_text(encoding="utf-8")).get("eos_token_id")
+        eos_ids = [e] if isinstance(e, int) else list(e or [])
+    return TokenizerInfo(
+        tokenizer_json=tok_json,
+        chat_template=template,
+        bos_token=_tok_str(cfg.get("bos_token")),
+        eos_token=_tok_str(cfg.get("eos_token")),
+        add_bos_token=bool(cfg.get("add_bos_token", False)),
+        eos_token_ids=tuple(eos_ids),
+    )

@@ -16,7 +16,7 @@ from sluice import hugepages
 from sluice.attention.base import AttentionBackend
 from sluice.config import ModelConfig, check_weight_format
 from sluice.model.registry import create_model
-from sluice.tokenizer import Tokenizer
+from sluice.tokenizer import Tokenizer, hf_folder_info
 
 logger = logging.getLogger(__name__)
 
@@ -92,12 +92,12 @@ def load_tokenizer(path: Path, chat_template: Optional[str] = None) -> Tokenizer
     if _is_gguf(path):
         from sluice.model.gguf_loader import read_gguf
 
-        tok = Tokenizer(read_gguf(path).tokenizer)
+        info = read_gguf(path).tokenizer
     else:
-        tok = Tokenizer.from_hf_folder(path)
+        info = hf_folder_info(path)
     if chat_template is not None:
-        tok = Tokenizer(dataclasses.replace(tok.info, chat_template=chat_template))
-    return tok
+        info = dataclasses.replace(info, chat_template=chat_template)
+    return Tokenizer(info)
 
 
 def _iter_safetensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:

@@ -604,18 +604,19 @@ def _is_none(value: Any) -> bool:
     return value is None
 
 
+def _omitted_when_none() -> Any:
+    """A field of vLLM's that a response carries only when it has a value (`token_ids`,
+    `prompt_token_ids` and `prompt_text` when asked for, `reasoning` when there was one), while the
+    OpenAI fields beside it keep their nulls."""
+    return Field(None, exclude_if=_is_none)
+
+
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: Optional[str] = None
     tool_calls: list[ToolCall] = Field(default_factory=list)
     # vLLM's: a thinking model's reasoning (`--reasoning-parser`); absent without it.
-    reasoning: Optional[str] = Field(None, exclude_if=_is_none)
-
-
-def _token_ids_field() -> Any:
-    """vLLM's `token_ids` / `prompt_token_ids` in a response: present only when the request asked
-    for them (`return_token_ids`), while the OpenAI fields beside them keep their nulls."""
-    return Field(None, exclude_if=_is_none)
+    reasoning: Optional[str] = _omitted_when_none()
 
 
 class ChatCompletionChoice(BaseModel):
@@ -624,7 +625,7 @@ class ChatCompletionChoice(BaseModel):
     logprobs: Optional[ChatLogprobs] = None
     finish_reason: Optional[str] = None
     stop_reason: Optional[Union[int, str]] = None
-    token_ids: Optional[list[int]] = _token_ids_field()
+    token_ids: Optional[list[int]] = _omitted_when_none()
 
 
 class PromptLogprob(BaseModel):
@@ -647,8 +648,8 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatCompletionChoice]
     usage: UsageInfo
     prompt_logprobs: Optional[PromptLogprobs] = None
-    prompt_token_ids: Optional[list[int]] = _token_ids_field()
-    prompt_text: Optional[str] = _token_ids_field()     # vLLM's return_prompt_text
+    prompt_token_ids: Optional[list[int]] = _omitted_when_none()
+    prompt_text: Optional[str] = _omitted_when_none()     # vLLM's return_prompt_text
 
 
 class _DropNone(BaseModel):
@@ -689,7 +690,7 @@ class ChatCompletionStreamChoice(BaseModel):
     logprobs: Optional[ChatLogprobs] = None
     finish_reason: Optional[str] = None
     stop_reason: Optional[Union[int, str]] = None
-    token_ids: Optional[list[int]] = _token_ids_field()
+    token_ids: Optional[list[int]] = _omitted_when_none()
 
 
 class ChatCompletionStreamResponse(BaseModel):
@@ -699,8 +700,8 @@ class ChatCompletionStreamResponse(BaseModel):
     model: str
     choices: list[ChatCompletionStreamChoice]
     usage: Optional[UsageInfo] = None
-    prompt_token_ids: Optional[list[int]] = _token_ids_field()
-    prompt_text: Optional[str] = _token_ids_field()     # vLLM's return_prompt_text (first chunk)
+    prompt_token_ids: Optional[list[int]] = _omitted_when_none()
+    prompt_text: Optional[str] = _omitted_when_none()     # vLLM's return_prompt_text (first chunk)
 
 
 class CompletionLogprobs(BaseModel):
@@ -716,8 +717,8 @@ class CompletionChoice(BaseModel):
     logprobs: Optional[CompletionLogprobs] = None
     finish_reason: Optional[str] = None
     stop_reason: Optional[Union[int, str]] = None
-    prompt_token_ids: Optional[list[int]] = _token_ids_field()   # (vLLM puts the prompt's ids in the choice)
-    token_ids: Optional[list[int]] = _token_ids_field()
+    prompt_token_ids: Optional[list[int]] = _omitted_when_none()   # (vLLM puts the prompt's ids in the choice)
+    token_ids: Optional[list[int]] = _omitted_when_none()
 
 
 class CompletionResponseChoice(CompletionChoice):

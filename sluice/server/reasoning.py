@@ -39,15 +39,22 @@ def starts_in_reasoning(prompt_tail: str) -> bool:
     return start >= 0 and prompt_tail.find(THINK_END, start) < 0
 
 
-def _held(text: str, tags: tuple[str, ...]) -> int:
-    """The length of the longest end of `text` that is a proper prefix of one of `tags`."""
-    best = 0
+def split_held(text: str, tags: tuple[str, ...]) -> tuple[str, str]:
+    """`text` as (what is certain, what is held): the held part is its longest end that is a
+    proper prefix of one of `tags` (the start of a tag the next delta may complete)."""
+    held = 0
     for tag in tags:
-        for k in range(min(len(text), len(tag) - 1), best, -1):
+        for k in range(min(len(text), len(tag) - 1), held, -1):
             if tag.startswith(text[-k:]):
-                best = k
+                held = k
                 break
-    return best
+    return text[:len(text) - held], text[len(text) - held:]
+
+
+def first_tag(text: str, tags: tuple[str, ...]) -> Optional[tuple[int, str]]:
+    """The position and tag of the earliest of `tags` in `text`, None when none is in it."""
+    found = [(i, tag) for tag in tags if (i := text.find(tag)) >= 0]
+    return min(found) if found else None
 
 
 class ReasoningStream:
@@ -60,6 +67,8 @@ class ReasoningStream:
         self._in_reasoning = in_reasoning
         self._keep = keep
         self._content = content() if content is not None else None
+        # what ends a thought: its closing tag, and a call's opening tag when calls are parsed
+        self._ends = (THINK_END, _TOOL_CALL_START) if self._content is not None else (THINK_END,)
         self._pending = ""
 
     def feed(self, delta: str) -> list[Any]:
@@ -67,34 +76,24 @@ class ReasoningStream:
         events: list[Any] = []
         while True:
             if self._in_reasoning:
-                ends = [(i, tag) for tag in ((THINK_END, _TOOL_CALL_START) if self._content is not None
-                                             else (THINK_END,))
-                        if (i := self._pending.find(tag)) >= 0]
-                if ends:
-                    i, tag = min(ends)
-                    if i:
-                        events += self._thought(self._pending[:i])
-                    # a closing tag is consumed; a call's opening tag starts the content
-                    self._pending = self._pending[i + len(THINK_END):] if tag == THINK_END else self._pending[i:]
-                    self._in_reasoning = False
-                    continue
-                keep = _held(self._pending, (THINK_END, _TOOL_CALL_START) if self._content is not None
-                             else (THINK_END,))
-                if len(self._pending) > keep:
-                    events += self._thought(self._pending[:len(self._pending) - keep])
-                    self._pending = self._pending[len(self._pending) - keep:]
-                return events
-            starts = [(i, tag) for tag in (THINK_START, THINK_END) if (i := self._pending.find(tag)) >= 0]
-            if starts:
-                i, tag = min(starts)
-                events += self._to_content(self._pending[:i])
-                self._pending = self._pending[i + len(tag):]
-                self._in_reasoning = tag == THINK_START
+                found = first_tag(self._pending, self._ends)
+                if found is None:
+                    certain, self._pending = split_held(self._pending, self._ends)
+                    return events + self._thought(certain)
+                i, tag = found
+                events += self._thought(self._pending[:i])
+                # a closing tag is consumed; a call's opening tag starts the content
+                self._pending = self._pending[i + len(THINK_END):] if tag == THINK_END else self._pending[i:]
+                self._in_reasoning = False
                 continue
-            keep = _held(self._pending, (THINK_START, THINK_END))
-            events += self._to_content(self._pending[:len(self._pending) - keep])
-            self._pending = self._pending[len(self._pending) - keep:]
-            return events
+            found = first_tag(self._pending, (THINK_START, THINK_END))
+            if found is None:
+                certain, self._pending = split_held(self._pending, (THINK_START, THINK_END))
+                return events + self._to_content(certain)
+            i, tag = found
+            events += self._to_content(self._pending[:i])
+            self._pending = self._pending[i + len(tag):]
+            self._in_reasoning = tag == THINK_START
 
     def finish(self) -> list[Any]:
         pending, self._pending = self._pending, ""

@@ -44,7 +44,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from sluice.server.reasoning import ReasoningDelta
+from sluice.server.reasoning import ReasoningDelta, split_held
 
 TOOL_CALL_START = "<tool_call>"
 TOOL_CALL_END = "</tool_call>"
@@ -139,7 +139,8 @@ def schema_types(schema: Any) -> set[str]:
                   "string" if isinstance(value, str) else "object" if isinstance(value, dict) else "array")
     for key in ("anyOf", "oneOf", "allOf"):
         for branch in schema.get(key) or []:
-            types |= schema_types(branch) - ({"string"} if not _says_type(branch) else set())
+            if _says_type(branch):          # a branch that says nothing adds no type
+                types |= schema_types(branch)
     return types or {"string"}
 
 
@@ -307,11 +308,8 @@ class ToolCallStream:
                 self._pending = self._pending[start + len(TOOL_CALL_START):]
                 self._in_call = True
                 continue
-            keep = _partial_tag_suffix(self._pending)
-            if len(self._pending) > keep:
-                events.append(self._pending[:len(self._pending) - keep])
-                self._pending = self._pending[len(self._pending) - keep:]
-            return events
+            certain, self._pending = split_held(self._pending, (TOOL_CALL_START,))
+            return events + [certain] if certain else events
 
     def finish(self) -> list[Any]:
         pending, self._pending = self._pending, ""
@@ -320,14 +318,6 @@ class ToolCallStream:
         self._in_call = False
         call = self._parse(pending)
         return [call] if call is not None else [TOOL_CALL_START + pending]
-
-
-def _partial_tag_suffix(text: str) -> int:
-    """The length of the longest end of `text` that is a proper prefix of the opening tag."""
-    for k in range(min(len(text), len(TOOL_CALL_START) - 1), 0, -1):
-        if TOOL_CALL_START.startswith(text[-k:]):
-            return k
-    return 0
 
 
 # --- forced calls (tool_choice "required" or a named function) --------------------------------------
