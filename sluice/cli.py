@@ -114,6 +114,10 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--reasoning-parser", default=None, choices=["deepseek_r1", "qwen3", "glm45", "glm47"],
                    help="a thinking model's <think>...</think> text becomes the reply's `reasoning` (chat), "
                         "reasoning items (/v1/responses) and thinking blocks (/v1/messages)")
+    p.add_argument("--reasoning-config", type=parse_json_object, default=None, metavar="JSON",
+                   help="vLLM's: the thinking tags behind thinking_token_budget, e.g. '{\"reasoning_end_str\": "
+                        "\"Time to answer.</think>\"}' (what is written when a thought reaches its budget); "
+                        "without --reasoning-parser it needs reasoning_start_str and reasoning_end_str")
     p.add_argument("--responses-store-size", type=int, default=1024,
                    help="how many /v1/responses are kept for previous_response_id, least recently used "
                         "dropped first; 0 keeps none (default 1024)")
@@ -180,16 +184,21 @@ def read_chat_template(value: str) -> str:
     raise argparse.ArgumentTypeError(f"{value!r} is neither a file nor a Jinja template")
 
 
-def parse_template_kwargs(text: str) -> dict:
-    """`--default-chat-template-kwargs`: a JSON object whose names the template does not own."""
-    from sluice.tokenizer import RESERVED_TEMPLATE_NAMES
-
+def parse_json_object(text: str) -> dict:
     try:
         value = json.loads(text)
     except json.JSONDecodeError as e:
         raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
     if not isinstance(value, dict):
         raise argparse.ArgumentTypeError("must be a JSON object")
+    return value
+
+
+def parse_template_kwargs(text: str) -> dict:
+    """`--default-chat-template-kwargs`: a JSON object whose names the template does not own."""
+    from sluice.tokenizer import RESERVED_TEMPLATE_NAMES
+
+    value = parse_json_object(text)
     taken = sorted(RESERVED_TEMPLATE_NAMES.intersection(value))
     if taken:
         raise argparse.ArgumentTypeError(f"may not set {', '.join(taken)}")
@@ -212,7 +221,7 @@ def parse_speculative_config(text: Optional[str]):
 
 
 def build_engine_config(args: argparse.Namespace):
-    from sluice.config import CacheConfig, EngineConfig, SchedulerConfig, parse_dtype
+    from sluice.config import CacheConfig, EngineConfig, SchedulerConfig, parse_dtype, reasoning_tags
     from sluice.model.loader import load_model_config, resolve_model_path
 
     model_path = resolve_model_path(args.model)
@@ -258,6 +267,7 @@ def build_engine_config(args: argparse.Namespace):
         stall_timeout_s=args.stall_timeout,
         stream_interval=args.stream_interval,
         chat_template=args.chat_template,
+        reasoning=reasoning_tags(args.reasoning_parser, args.reasoning_config),
     )
 
 

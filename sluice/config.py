@@ -194,6 +194,54 @@ class SpeculativeConfig:
 WEIGHT_FORMATS = ("auto", "native", "bf16")
 
 
+@dataclass(frozen=True)
+class ReasoningConfig:
+    """How a thinking model's thought opens and closes, for `thinking_token_budget` (vLLM's
+    `--reasoning-config`; `--reasoning-parser` sets the parsers' `<think>` / `</think>`).
+    `forced_end` (vLLM's `reasoning_end_str`) is what the engine writes when a thought reaches its
+    budget: the end tag, or a transition phrase ending with it; None: the end tag."""
+
+    start: str = "<think>"
+    end: str = "</think>"
+    forced_end: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        if not self.start or not self.end or self.forced_end == "":
+            raise ValueError("the reasoning start and end strings must not be empty")
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ReasoningConfig":
+        """vLLM's `--reasoning-config` keys: reasoning_start_str, reasoning_end_str (the forced end;
+        without a reasoning parser it is the natural end too); reasoning_parser is the flag's."""
+        unknown = sorted(set(d) - {"reasoning_start_str", "reasoning_end_str", "reasoning_parser"})
+        if unknown:
+            raise ValueError(f"unknown reasoning config keys: {', '.join(unknown)}")
+        for key in ("reasoning_start_str", "reasoning_end_str"):
+            if key in d and not isinstance(d[key], str):
+                raise ValueError(f"{key} must be a string")
+        start, forced = d.get("reasoning_start_str"), d.get("reasoning_end_str")
+        if d.get("reasoning_parser") is None and (start is None or forced is None):
+            raise ValueError("without --reasoning-parser the reasoning config needs both reasoning_start_str "
+                             "and reasoning_end_str")
+        if d.get("reasoning_parser") is None:
+            return cls(start=start, end=forced)
+        return cls(start=start or cls.start, forced_end=forced)
+
+    @property
+    def forced(self) -> str:
+        return self.forced_end if self.forced_end is not None else self.end
+
+
+def reasoning_tags(parser: Optional[str], overrides: Optional[dict] = None) -> Optional[ReasoningConfig]:
+    """The engine's thinking tags for `--reasoning-parser` and `--reasoning-config` (a dict), or
+    None when neither is given. Every parser sluice has thinks between `<think>` and `</think>`."""
+    if parser is not None and parser not in REASONING_PARSERS:
+        raise ValueError(f"unknown reasoning parser {parser!r}; choose from {list(REASONING_PARSERS)}")
+    if overrides is None:
+        return ReasoningConfig() if parser is not None else None
+    return ReasoningConfig.from_dict({**overrides, "reasoning_parser": parser or overrides.get("reasoning_parser")})
+
+
 def check_weight_format(fmt: str) -> None:
     if fmt not in WEIGHT_FORMATS:
         raise ValueError(f"weight_format must be one of {WEIGHT_FORMATS}, not {fmt!r}")
@@ -228,6 +276,9 @@ class EngineConfig:
     # vLLM's `--chat-template`: this Jinja template in place of the model's own (the text; the CLI
     # reads a file path into it).
     chat_template: Optional[str] = None
+    # A thinking model's tags (a reasoning parser or --reasoning-config): requests may then set
+    # `thinking_token_budget` (engine/thinking_budget.py). None: they may not.
+    reasoning: Optional[ReasoningConfig] = None
 
     def __post_init__(self) -> None:
         check_weight_format(self.weight_format)

@@ -8,7 +8,7 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-from sluice.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig, parse_dtype
+from sluice.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig, parse_dtype, reasoning_tags
 from sluice.engine.llm_engine import LLMEngine
 from sluice.model.loader import load_model_config, resolve_model_path
 from sluice.outputs import RequestOutput
@@ -37,6 +37,8 @@ class LLM:
         huge_pages: bool = True,                      # weights and KV cache on transparent huge pages
         weight_format: str = "auto",                  # "native": a GGUF's Q4_1/Q8_0 linears kept in blocks; "bf16"; "auto": by path
         chat_template: Optional[str] = None,          # a Jinja template's text, in place of the model's own
+        reasoning_parser: Optional[str] = None,       # a thinking model's tags (thinking_token_budget)
+        reasoning_config: Optional[dict] = None,      # vLLM's --reasoning-config keys
     ) -> None:
         path: Path = resolve_model_path(model)
         cfg = load_model_config(path)
@@ -57,6 +59,7 @@ class LLM:
             weight_format=weight_format,
             speculative=SpeculativeConfig.from_dict(speculative_config) if speculative_config is not None else None,
             chat_template=chat_template,
+            reasoning=reasoning_tags(reasoning_parser, reasoning_config),
         ))
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()

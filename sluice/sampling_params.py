@@ -218,6 +218,9 @@ class SamplingParams:
     # vLLM's: a streamed request's outputs carry at least this many new tokens each (the first and
     # the last go out at once); the engine's `stream_interval` is the floor. None: the engine's.
     stream_interval: Optional[int] = None
+    # vLLM's: an open thought gets at most this many tokens, then the engine writes its end
+    # (engine/thinking_budget.py); needs an engine that knows the model's thinking tags. None: no bound.
+    thinking_token_budget: Optional[int] = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -281,6 +284,10 @@ class SamplingParams:
                                                  or not isinstance(self.stream_interval, int)
                                                  or self.stream_interval < 1):
             raise ValueError("stream_interval must be a positive integer")
+        if self.thinking_token_budget is not None and (isinstance(self.thinking_token_budget, bool)
+                                                       or not isinstance(self.thinking_token_budget, int)
+                                                       or self.thinking_token_budget < 0):
+            raise ValueError("thinking_token_budget must be a non-negative integer")
         if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= _MAX_LOGPROBS:
             raise ValueError(f"prompt_logprobs must be in [0, {_MAX_LOGPROBS}]")
 

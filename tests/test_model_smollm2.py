@@ -42,6 +42,7 @@ import torch
 from hf_reference import hf_model_fp32
 from sluice.engine import llm_engine
 from sluice.engine.bad_words import bad_words_token_ids
+from sluice.engine.errors import RequestRejected
 from sluice.llm import LLM
 from sluice.model import gguf_loader
 from sluice.engine.structured_output import allowed_tokens, grammar_text
@@ -513,6 +514,57 @@ def test_repetition_detection_ends_the_reference_output_where_it_repeats(make_ll
     assert len(cut_prompts) >= 2, cut_prompts         # real outputs that repeat, not only clean ones
     assert_drained(llm)
     assert_drained(spec)
+
+
+THINK_SHOT = [   # few-shot: the model opens and closes a thought of its own
+    {"role": "user", "content": "What is 2 plus 2?"},
+    {"role": "assistant", "content": "<think>Two plus two makes four.</think>The answer is 4."},
+    {"role": "user", "content": "What is 3 plus 3?"},
+    {"role": "assistant", "content": "<think>Three plus three makes six.</think>The answer is 6."},
+    {"role": "user", "content": "What is 5 plus 5?"},
+]
+
+
+def test_thinking_token_budget_cuts_the_reference_thought(make_llm, llm, ref):
+    """thinking_token_budget on real output: float32 greedy output with a budget is transformers'
+    greedy thought up to the budget, then the forced end (here a transition phrase set by
+    `reasoning_config`), then transformers' greedy continuation of all that; a thought that ends
+    within its budget is left as it is. Thoughts the prompt opens (its own thought tokens count)
+    and thoughts the model opens; with and without speculative decoding (which drafts the forced
+    end: every one of its tokens is accepted)."""
+    phrase = " Time to answer.</think>"
+    engines = [make_llm(dtype="float32", kv_cache_tokens=4096, enable_prefix_caching=False, reasoning_parser="glm45",
+                        reasoning_config={"reasoning_end_str": phrase}, **kw) for kw in ({}, {"speculative_config": SPEC})]
+    tok = llm.tokenizer
+    start, end, forced = (tok.encode(t, add_special_tokens=False) for t in ("<think>", "</think>", phrase))
+    opened = encode(llm, [{"role": "user", "content": "What is 5 plus 5? Think step by step."}]) + \
+        tok.encode("<think>\n", add_special_tokens=False)
+    inside = 1                                             # the prompt's "\n" after its start tag
+    assert opened[-1 - len(start):-1] == start
+    few_shot = encode(llm, THINK_SHOT)
+    free, _ = ref(few_shot)
+    assert free[:len(start)] == start and end in [free[i:i + len(end)] for i in range(len(free))], free
+    thought = next(i for i in range(len(free)) if free[i:i + len(end)] == end) - len(start)
+    cases = [(opened, b, max(0, b - inside)) for b in (0, 1, 4, 9)]
+    cases += [(few_shot, b, len(start) + b) for b in (0, 3, thought)]   # at `thought` the model would close it
+    for ids, budget, kept in cases:
+        head = ref(ids)[0][:kept] + forced
+        expected = (head + ref(ids + head)[0])[:MAX_TOKENS]
+        for engine in engines:
+            [out] = engine.generate([ids], SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS,
+                                                          thinking_token_budget=budget))
+            assert out.outputs[0].token_ids == expected, (budget, tok.decode(out.outputs[0].token_ids), tok.decode(expected))
+    for budget in (thought + len(end), thought + 9):        # the thought ends in time (its end tag's tokens count)
+        for engine in engines:
+            [out] = engine.generate([few_shot], SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS,
+                                                               thinking_token_budget=budget))
+            assert out.outputs[0].token_ids == free[:MAX_TOKENS], budget
+    drafted, accepted = _spec_counts(engines[1])
+    assert accepted > 0
+    for engine in engines:
+        assert_drained(engine)
+    with pytest.raises(RequestRejected, match="reasoning-parser"):   # an engine that does not know the tags
+        llm.engine.add_request("tb", few_shot, SamplingParams(thinking_token_budget=3))
 
 
 def test_stream_interval_coalesces_a_requests_outputs(llm, prompt_ids):

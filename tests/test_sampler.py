@@ -388,3 +388,28 @@ def test_logprob_token_ids_give_the_named_tokens_instead_of_the_top(sampler: Sam
         SamplingParams(logprob_token_ids=[1])
     with pytest.raises(ValueError, match="logprob_token_ids"):
         SamplingParams(logprobs=0, logprob_token_ids=[])
+
+
+def test_a_forced_row_yields_its_token_with_the_raw_logprobs(sampler: Sampler) -> None:
+    """thinking_token_budget's forced end: the row yields its forced token whatever it would have
+    sampled (greedy, random, penalised, masked away), its logprob the raw distribution's; rows
+    beside it sample as they would alone."""
+    torch.manual_seed(0)
+    logits = torch.randn(4, 50)
+    lp = torch.log_softmax(logits, dim=-1)
+    forced = int(logits[0].argmin())
+    params = [SamplingParams(temperature=0.0, logprobs=1), SamplingParams(temperature=0.8, logprobs=0),
+              SamplingParams(temperature=0.0, repetition_penalty=1.5), SamplingParams(temperature=0.0)]
+    rows = [row(p, output=[forced]) for p in params]
+    rows[0].suppress_token_ids = [forced]                  # suppressed or not, it is what comes out
+    rows[0].forced_token_id = forced
+    rows[1].forced_token_id = 7
+    rows[2].forced_token_id = 3
+    out = sampler(logits, rows)
+    assert out.token_ids.tolist()[:3] == [forced, 7, 3]
+    assert out.token_ids[3] == logits[3].argmax()
+    assert out.logprobs[0][forced].logprob == pytest.approx(float(lp[0, forced]), abs=1e-5)
+    assert out.logprobs[0][forced].rank == 50              # the least likely token, forced
+    assert out.logprobs[1][7].logprob == pytest.approx(float(lp[1, 7]), abs=1e-5)
+    alone = sampler(logits[3:], [row(params[3])])
+    assert out.token_ids[3] == alone.token_ids[0]

@@ -115,6 +115,11 @@ BAD_CHAT = {
     "bad_words_beyond_128_sequences": (chat(bad_words=[f"w{i}" for i in range(65)]), "bad_words"),
     "bad_words_banning_every_allowed_token": (chat(bad_words=["Hello"], allowed_token_ids=[19556]), "bad_words"),
     "tools_without_auto_tool_choice": (chat(tools=[{"type": "function", "function": {"name": "f"}}]), "tool_choice"),
+    # A thinking budget needs --reasoning-parser (the model's thinking tags); this server has none.
+    "thinking_token_budget_without_reasoning_parser": (chat(thinking_token_budget=8), "thinking_token_budget"),
+    "thinking_token_budget_below_minus_one": (chat(thinking_token_budget=-2), "thinking_token_budget"),
+    "thinking_token_budget_not_an_integer": (chat(thinking_token_budget=2.5), "thinking_token_budget"),
+    "thinking_token_budget_a_bool": (chat(thinking_token_budget=True), "thinking_token_budget"),
 }
 
 BAD_COMPLETION = {
@@ -138,6 +143,7 @@ BAD_COMPLETION = {
     "truncate_prompt_tokens_below_minus_one": (completion(truncate_prompt_tokens=-2), "truncate_prompt_tokens"),
     "truncation_side_unknown": (completion(truncate_prompt_tokens=3, truncation_side="middle"), "truncation_side"),
     "truncate_prompt_tokens_zero": (completion(truncate_prompt_tokens=0), "prompt"),
+    "thinking_token_budget_without_reasoning_parser": (completion(thinking_token_budget=0), "thinking_token_budget"),
     "prompt_logprobs_with_stream": (completion(prompt_logprobs=1, stream=True), "prompt_logprobs"),
 }
 

@@ -165,11 +165,10 @@ def test_unknown_parsers_are_a_startup_error() -> None:
         assert proc.returncode == 2 and "invalid choice" in proc.stderr
 
 
-def test_prompt_text_documents_and_thinking_budget(server: RemoteServer, client: openai.OpenAI, model: str) -> None:
+def test_prompt_text_and_documents(server: RemoteServer, client: openai.OpenAI, model: str) -> None:
     """vLLM's `return_prompt_text` (the prompt the model ran on: what /tokenize renders, whole and
-    in the first streamed chunk), `documents` reaching the template (this one ignores them, so the
-    prompt is unchanged; tests/test_server.py checks template variables reach a template), and
-    `thinking_token_budget`, which sluice does not enforce, refused instead of ignored."""
+    in the first streamed chunk) and `documents` reaching the template (this one ignores them, so
+    the prompt is unchanged; tests/test_server.py checks template variables reach a template)."""
     ids = httpx.post(server.url + "/tokenize", json={"model": model, "messages": THINK_SHOT}).json()["tokens"]
     text = httpx.post(server.url + "/detokenize", json={"model": model, "tokens": ids}).json()["prompt"]
     whole = client.chat.completions.create(model=model, messages=THINK_SHOT, max_tokens=2, temperature=0,
@@ -184,7 +183,35 @@ def test_prompt_text_documents_and_thinking_budget(server: RemoteServer, client:
     docs = client.chat.completions.create(model=model, messages=THINK_SHOT, max_tokens=2, temperature=0,
                                           extra_body={"documents": [{"title": "t", "text": "x"}]})
     assert docs.usage.prompt_tokens == plain.usage.prompt_tokens
-    with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model=model, messages=THINK_SHOT, max_tokens=2,
-                                       extra_body={"thinking_token_budget": 10})
-    assert "thinking_token_budget" in str(e.value)
+
+
+def test_thinking_token_budget(server: RemoteServer, client: openai.OpenAI, model: str, thought) -> None:
+    """vLLM's `thinking_token_budget` (and Anthropic's `budget_tokens`, which maps to it) cuts the
+    thought: the raw reply (/v1/completions) of a budget of 3 is the model's thought cut there with
+    `</think>` written, and every API parses that same reply; -1 is no bound."""
+    reasoning, content = thought
+    ids = httpx.post(server.url + "/tokenize", json={"model": model, "messages": THINK_SHOT}).json()["tokens"]
+    raw = httpx.post(server.url + "/v1/completions", timeout=120, json={
+        "model": model, "prompt": ids, "thinking_token_budget": 3, **GREEDY}).json()["choices"][0]["text"]
+    assert raw.startswith("<think>") and "</think>" in raw, raw
+    cut, _, after = raw[len("<think>"):].partition("</think>")
+    assert reasoning.startswith(cut) and 0 < len(cut) < len(reasoning), (cut, reasoning)
+    head = httpx.post(server.url + "/tokenize", json={"model": model, "prompt": cut, "add_special_tokens": False})
+    assert head.json()["count"] == 3
+    chat = client.chat.completions.create(model=model, messages=THINK_SHOT, extra_body={"thinking_token_budget": 3},
+                                          **GREEDY).choices[0].message
+    assert (chat.model_extra["reasoning"], chat.content) == (cut, after)
+    unbounded = client.chat.completions.create(model=model, messages=THINK_SHOT, extra_body={"thinking_token_budget": -1},
+                                               **GREEDY).choices[0].message
+    assert (unbounded.model_extra["reasoning"], unbounded.content) == (reasoning, content)
+    resp = client.responses.create(model=model, input=THINK_SHOT, max_output_tokens=GREEDY["max_tokens"], temperature=0,
+                                   extra_body={"thinking_token_budget": 3})
+    assert (resp.output[0].content[0].text, resp.output_text) == (cut, after)
+    anth = anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0)
+    msg = anth.messages.create(model=model, max_tokens=GREEDY["max_tokens"], messages=THINK_SHOT,
+                               thinking={"type": "enabled", "budget_tokens": 3}, extra_body={"temperature": 0})
+    assert [(b.type, getattr(b, "thinking", None) or getattr(b, "text", None)) for b in msg.content] == [
+        ("thinking", cut), ("text", after)]
+    with pytest.raises(anthropic.BadRequestError):
+        anth.messages.create(model=model, max_tokens=8, messages=THINK_SHOT,
+                             thinking={"type": "enabled", "budget_tokens": -3})

@@ -25,6 +25,7 @@ from sluice.engine.request import Request, RequestStatus
 from sluice.engine.scheduler import Scheduler, SchedulerOutput
 from sluice.engine.stats import EngineStats
 from sluice.engine.structured_output import GrammarCompiler
+from sluice.engine.thinking_budget import ThinkingBudget, ThinkingTags
 from sluice.model.loader import load_model, load_tokenizer
 from sluice.outputs import CompletionOutput, Logprob, RequestOutput
 from sluice.sampling_params import SamplingParams
@@ -108,6 +109,8 @@ class LLMEngine:
         self.runner = ModelRunner(config, model, num_blocks, plan.state)
         self.eos_token_ids = tuple(dict.fromkeys(self.tokenizer.eos_token_ids + config.model.eos_token_ids))
         self.vocab_size = config.model.vocab_size
+        # The thinking model's tags as tokens, for thinking_token_budget (None: the engine was not told them).
+        self.thinking_tags = ThinkingTags.from_config(config.reasoning, self.tokenizer) if config.reasoning else None
         self.grammars = GrammarCompiler(self.tokenizer.info.tokenizer_json, self.vocab_size, self.eos_token_ids)
         self._groups: dict[str, _Group] = {}
         self._child_to_group: dict[str, str] = {}
@@ -155,6 +158,13 @@ class LLMEngine:
                     seq[0] for seq in bad_words.seqs if len(seq) == 1}:
                 raise RequestRejected("bad_words bans every one of allowed_token_ids", param="bad_words")
 
+        budget = params.thinking_token_budget
+        if budget is not None and self.thinking_tags is None:
+            raise RequestRejected("thinking_token_budget needs the model's thinking tags: start the server with "
+                                  "--reasoning-parser (or --reasoning-config)", param="thinking_token_budget")
+        # A constrained reply is all content (its grammar holds from the first token): no thought to cut.
+        budget = budget if grammar is None else None
+
         now = arrival_time if arrival_time is not None else self.clock()
         workflow = workflow or WorkflowInfo()
         samples = []
@@ -165,7 +175,8 @@ class LLMEngine:
                 generator = torch.Generator().manual_seed(params.seed + i)
             req = Request(child_id, prompt_token_ids, params, max_tokens, now, self.eos_token_ids,
                           workflow.workflow_id, workflow.is_last_step, generator,
-                          grammar.new_state() if grammar is not None else None, bad_words)
+                          grammar.new_state() if grammar is not None else None, bad_words,
+                          ThinkingBudget(self.thinking_tags, budget, prompt_token_ids) if budget is not None else None)
             detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.skip_special_tokens,
                                            params.stop, params.include_stop_str_in_output)
             want_lp = params.logprobs is not None

@@ -164,8 +164,9 @@ class ModelRunner:
     def _rows(req: Request, drafts) -> list[SamplingRow]:
         """The sampling rows of a request: one, or one per verified position, each seeing the
         drafts before it as generated output (and, with structured outputs, the grammar's mask
-        after them)."""
+        after them; with a thinking budget, the token forced after them)."""
         masks = req.grammar.masks(drafts) if req.grammar is not None else None
+        forced = req.forced_token_ids(drafts)
         rows = []
         for i in range(len(drafts) + 1):
             suppress = req.suppressed_token_ids(i)
@@ -178,7 +179,8 @@ class ModelRunner:
             rows.append(SamplingRow(params=req.params, prompt_token_ids=req.prompt_token_ids,
                                     output_token_ids=[*req.output_token_ids, *drafts[:i]] if i else req.output_token_ids,
                                     generator=req.generator, suppress_token_ids=suppress,
-                                    token_mask=masks[i] if masks is not None else None))
+                                    token_mask=masks[i] if masks is not None else None,
+                                    forced_token_id=forced[i] if forced is not None else None))
         return rows
 
     def _prepare(self, scheduled: list[tuple[Request, int]], spec: Optional[dict[str, list[int]]] = None

@@ -9,6 +9,7 @@ import torch
 from sluice.engine.bad_words import BadWords
 from sluice.engine.block_pool import Block, BlockHash
 from sluice.engine.structured_output import GrammarState
+from sluice.engine.thinking_budget import ThinkingBudget
 from sluice.sampling_params import SamplingParams
 
 
@@ -58,6 +59,7 @@ class Request:
         generator: Optional[torch.Generator] = None,
         grammar: Optional[GrammarState] = None,
         bad_words: Optional[BadWords] = None,
+        thinking: Optional[ThinkingBudget] = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -71,6 +73,7 @@ class Request:
         self.generator = generator
         self.grammar = grammar                 # structured outputs: advances with every output token
         self.bad_words = bad_words             # params.bad_words as token sequences (bad_words.py)
+        self.thinking = thinking               # params.thinking_token_budget's state (thinking_budget.py)
 
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(prompt_token_ids)
@@ -194,6 +197,11 @@ class Request:
     def banned_token_ids(self, drafts: Sequence[int] = ()) -> tuple[int, ...]:
         """Ids `bad_words` forbids next (after the output and then `drafts`, speculated tokens)."""
         return self.bad_words.banned(self.output_token_ids, drafts) if self.bad_words is not None else ()
+
+    def forced_token_ids(self, drafts: Sequence[int] = ()) -> Optional[list[Optional[int]]]:
+        """The token each position sampled after the output and drafts[:j] must be (j in
+        0..len(drafts); None where it is free): a thought's forced end; None when none is forced."""
+        return self.thinking.forced(self.all_token_ids, drafts) if self.thinking is not None else None
 
     def __repr__(self) -> str:
         return (f"Request({self.request_id}, {self.status.value}, computed={self.num_computed_tokens}/"

@@ -12,6 +12,8 @@ Order of operations, as in vLLM's sampler:
    outputs' token masks (a disallowed token's logit -inf).
 4. greedy rows take the argmax of the result; the other rows go through temperature, top-k,
    top-p and min-p, then sample with an exponential race `argmax(probs / q)`, q ~ Exp(1).
+5. a row with a forced token (thinking_token_budget's end of a thought) yields it instead, as
+   vLLM's thinking budget does after sampling's other processors; its logprobs are the raw ones.
 
 A row with a generator draws its q from that generator alone, on a [V] tensor of its own, so its
 tokens depend only on its generator's state, its params and its logits, never on the rest of the
@@ -39,6 +41,7 @@ class SamplingRow:
     generator: Optional[torch.Generator]      # seeded from params.seed, on the logits' device; or None
     suppress_token_ids: Sequence[int] = ()    # ids not to sample now (EOS/stop ids before min_tokens)
     token_mask: Optional[torch.Tensor] = None  # structured outputs: [ceil(V / 32)] int32 bitmask of allowed ids
+    forced_token_id: Optional[int] = None     # the token this row yields whatever it samples (a thought's forced end)
 
 
 @dataclass
@@ -103,6 +106,9 @@ class Sampler:
         if random:
             idx = torch.tensor(random, device=device)
             token_ids[idx] = _sample(logits[idx], [rows[i] for i in random])
+        for i, r in enumerate(rows):
+            if r.forced_token_id is not None:
+                token_ids[i] = r.forced_token_id
 
         logprobs = _gather_logprobs(raw_logprobs, token_ids, rows) if raw_logprobs is not None else None
         return SamplerOutput(token_ids=token_ids, logprobs=logprobs)
@@ -115,7 +121,8 @@ def _has_penalties(p: SamplingParams) -> bool:
 def _is_plain_greedy(row: SamplingRow) -> bool:
     p = row.params
     return (p.greedy and p.logprobs is None and not row.suppress_token_ids and row.token_mask is None
-            and not _has_penalties(p) and not p.logit_bias and p.allowed_token_ids is None)
+            and not _has_penalties(p) and not p.logit_bias and p.allowed_token_ids is None
+            and row.forced_token_id is None)
 
 
 def apply_logit_bias(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:

@@ -76,6 +76,8 @@ class NgramProposer:
         if index is None:
             index = req.ngram_index = NgramIndex(self.config.prompt_lookup_min, self.config.prompt_lookup_max)
         drafts = index.propose(req.all_token_ids, k)
+        if req.thinking is not None:   # a thought's forced end is drafted, so it is verified at once
+            drafts = req.thinking.overlay(req.all_token_ids, drafts, k)
         if drafts and req.grammar is not None:   # structured outputs: only what the grammar allows
             drafts = drafts[:req.grammar.valid_prefix(drafts)]
         return drafts

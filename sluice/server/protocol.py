@@ -15,6 +15,7 @@ from pydantic import (
     ConfigDict,
     Field,
     SerializerFunctionWrapHandler,
+    StrictInt,
     field_validator,
     model_serializer,
 )
@@ -222,6 +223,9 @@ class SamplingRequest(OpenAIRequestModel):
     # vLLM's: tokens per streamed chunk (the first and last chunks go at once); the server's
     # `--stream-interval` is the floor. Ignored without `stream`.
     stream_interval: Optional[int] = Field(None, ge=1, le=_INT64_MAX)
+    # vLLM's: an open thought gets at most this many tokens, then its end is written (-1: no bound;
+    # needs --reasoning-parser or --reasoning-config).
+    thinking_token_budget: Optional[StrictInt] = Field(None, ge=-1, le=_INT64_MAX)
 
     @property
     def stop_list(self) -> list[str]:
@@ -298,6 +302,7 @@ class SamplingRequest(OpenAIRequestModel):
             repetition_detection=RepetitionDetectionParams(**self.repetition_detection.model_dump())
             if self.repetition_detection is not None else None,
             stream_interval=self.stream_interval if self.stream else STREAM_FINAL_ONLY,
+            thinking_token_budget=None if self.thinking_token_budget in (None, -1) else self.thinking_token_budget,
         )
 
 

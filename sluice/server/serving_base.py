@@ -315,11 +315,6 @@ class OpenAIServing:
             self.check_logprobs(request.prompt_logprobs, "prompt_logprobs")
         if (request.model_extra or {}).get("use_beam_search"):
             raise APIError(400, "beam search is not supported", param="use_beam_search")
-        if (request.model_extra or {}).get("thinking_token_budget") is not None:
-            # vLLM ends a thought at its budget (with --reasoning-config); silently letting it run
-            # on would break what the client relies on
-            raise APIError(400, "thinking_token_budget is not supported: a thought is not cut at a budget",
-                           param="thinking_token_budget")
         if request.truncate_prompt_tokens is not None and request.truncate_prompt_tokens > self.max_model_len:
             raise APIError(400, f"truncate_prompt_tokens is {request.truncate_prompt_tokens}, more than this model's "
                            f"context of {self.max_model_len} tokens", param="truncate_prompt_tokens")

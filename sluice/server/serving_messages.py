@@ -234,12 +234,17 @@ def chat_tools(request: _Conversation) -> dict[str, Any]:
 
 
 def _check_thinking(request: _Conversation) -> None:
-    kind = (request.thinking or {}).get("type")
+    thinking = request.thinking or {}
+    kind = thinking.get("type")
     if kind not in (None, "disabled", "enabled", "adaptive"):
         raise APIError(400, f"thinking of type {kind!r} is not supported", param="thinking")
-    # "enabled" and "adaptive" are accepted: a budget is an upper bound (not enforced). A model
-    # that does not think uses none of it; with `--reasoning-parser` its thinking comes back as
-    # thinking blocks, unless the request disabled thinking.
+    budget = thinking.get("budget_tokens")
+    if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 0):
+        raise APIError(400, "thinking.budget_tokens must be a non-negative integer", param="thinking")
+    # "enabled" and "adaptive" are accepted. With `--reasoning-parser` the thinking comes back as
+    # thinking blocks (unless the request disabled thinking) and "enabled"'s budget_tokens bounds
+    # each thought (vLLM's mapping to thinking_token_budget); without one the server does not know
+    # the model's thinking, so there is none to bound.
 
 
 def stop_reason(sample: CompletionOutput, called: bool) -> tuple[Optional[str], Optional[str]]:
@@ -323,7 +328,8 @@ class AnthropicServingMessages(OpenAIServingChat):
         self.check_model(request.model)
         _check_thinking(request)
         chat, parse_reply, prompt_ids, params = await self.prepare_translated(
-            self._chat_body(request), "messages", "output_config", _CHAT_PARAMS)
+            self._chat_body(request, self.engine.config.reasoning is not None), "messages", "output_config",
+            _CHAT_PARAMS)
         message_id = f"msg_{uuid.uuid4().hex[:24]}"
         streams = await self.start_streams(raw_request, [EngineCall(message_id, prompt_ids, params)],
                                            self.workflow_info(chat, raw_request), arrival)
@@ -345,7 +351,9 @@ class AnthropicServingMessages(OpenAIServingChat):
         return {"input_tokens": len(self.render_chat(chat))}
 
     @staticmethod
-    def _chat_body(request: MessagesRequest) -> dict[str, Any]:
+    def _chat_body(request: MessagesRequest, thinks: bool) -> dict[str, Any]:
+        """The chat request a message request is; `thinks`: the engine knows the model's thinking
+        tags (a thinking budget can be kept)."""
         body: dict[str, Any] = dict(request.model_extra or {})   # fields Anthropic's API does not declare
         if body.get("prompt_logprobs") is not None:
             raise APIError(400, "prompt_logprobs is not served by /v1/messages (use /v1/completions or "
@@ -361,8 +369,11 @@ class AnthropicServingMessages(OpenAIServingChat):
             workflow_id=request.workflow_id, session_id=request.session_id, is_last_step=request.is_last_step,
             **chat_tools(request), **prefill(request),
         )
-        if (request.thinking or {}).get("type") == "disabled":
+        thinking = request.thinking or {}
+        if thinking.get("type") == "disabled":
             body["include_reasoning"] = False
+        elif thinking.get("type") == "enabled" and thinks and thinking.get("budget_tokens") is not None:
+            body.setdefault("thinking_token_budget", thinking["budget_tokens"])
         fmt = (request.output_config or {}).get("format")
         if fmt is not None:
             if not isinstance(fmt, dict) or fmt.get("type") != "json_schema" or not isinstance(fmt.get("schema"), dict):
