@@ -155,7 +155,7 @@ def test_glm_tool_calls(client: openai.OpenAI, model: str, glm_raw: str) -> None
     assert none.choices[0].message.content == glm_raw and not none.choices[0].message.tool_calls
 
 
-def test_unknown_parsers_are_a_startup_error() -> None:
+def test_unknown_parsers_and_bad_reasoning_configs_are_a_startup_error() -> None:
     import subprocess
     import sys
 
@@ -163,6 +163,12 @@ def test_unknown_parsers_are_a_startup_error() -> None:
         proc = subprocess.run([sys.executable, "-m", "sluice.cli", "serve", flag, "nope"],
                               capture_output=True, text=True, timeout=120)
         assert proc.returncode == 2 and "invalid choice" in proc.stderr
+    # --reasoning-config: JSON, vLLM's keys, and both tags without a reasoning parser
+    for value, message in (("{", "not JSON"), ('{"reasoning_end_str": "</r>"}', "needs both"),
+                           ('{"end": "</r>"}', "unknown reasoning config keys")):
+        proc = subprocess.run([sys.executable, "-m", "sluice.cli", "serve", "--reasoning-config", value],
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 2 and message in proc.stderr, proc.stderr
 
 
 def test_prompt_text_and_documents(server: RemoteServer, client: openai.OpenAI, model: str) -> None:
