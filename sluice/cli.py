@@ -267,7 +267,8 @@ def build_engine_config(args: argparse.Namespace):
         stall_timeout_s=args.stall_timeout,
         stream_interval=args.stream_interval,
         chat_template=args.chat_template,
-        reasoning=reasoning_tags(args.reasoning_parser, args.reasoning_config),
+        # server flags (the parser splits replies) whose tags the engine needs for thinking budgets
+        reasoning=reasoning_tags(getattr(args, "reasoning_parser", None), getattr(args, "reasoning_config", None)),
     )
 
 

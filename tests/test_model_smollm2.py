@@ -713,6 +713,53 @@ def test_structured_outputs_with_speculative_decoding_and_chunked_prefill(make_l
     assert_drained(spec)
 
 
+def test_structured_outputs_start_where_the_prompts_thought_closes(make_llm, llm, hf_fp32, ref, structured_refs):
+    """With the model's thinking tags known (a reasoning parser), a reply whose prompt opens a
+    thought thinks freely and is constrained from the token after the thought's end (vLLM's rule):
+    float32 greedy output is transformers' free thought up to its end (the model's own, or the
+    forced one at a thinking budget), then transformers' masked loop from there. A prompt that
+    opens no thought is constrained from its first token, as without the tags (and a budget then
+    has no thought to cut). With and without speculative decoding."""
+    import llguidance
+
+    engines = [make_llm(dtype="float32", kv_cache_tokens=4096, enable_prefix_caching=False, reasoning_parser="glm45",
+                        **kw) for kw in ({}, {"speculative_config": SPEC})]
+    tok = llm.tokenizer
+    lltok = llguidance.LLTokenizer(tok.info.tokenizer_json, n_vocab=llm.engine.vocab_size,
+                                   eos_token=list(llm.engine.eos_token_ids))
+    eos = llm.engine.eos_token_ids
+    start, end = (tok.encode(t, add_special_tokens=False) for t in ("<think>", "</think>"))
+    answer = StructuredOutputsParams(regex=r"The answer is \d+\.")
+    few_shot = encode(llm, THINK_SHOT) + start              # the model closes this thought itself
+    free, _ = ref(few_shot)
+    closed = next(i for i in range(len(free)) if free[i:i + len(end)] == end) + len(end)
+    person_prompt, person = STRUCTURED["person"]
+    person_ids = encode(llm, person_prompt)
+    cases = [(few_shot, answer, None, free[:closed]),
+             (person_ids + start, person, 5, ref(person_ids + start)[0][:5] + end)]   # closed at its budget
+    for ids, spec, budget, head in cases:
+        expected = (head + constrained_reference(hf_fp32, lltok, ids + head, spec, eos))
+        params = SamplingParams(temperature=0.0, max_tokens=len(expected) + 8, structured_outputs=spec,
+                                thinking_token_budget=budget)
+        for engine in engines:
+            [out] = engine.generate([ids], params)
+            got = out.outputs[0]
+            assert got.token_ids == expected, (tok.decode(got.token_ids), tok.decode(expected))
+            assert got.finish_reason == "stop"
+            thought, closed_tag, reply = got.text.partition("</think>")
+            assert closed_tag and "<think>" not in reply
+            if spec is answer:
+                assert re.fullmatch(r"The answer is \d+\.", reply), reply
+            else:
+                jsonschema.validate(json.loads(reply), PERSON)
+    ids, expected = structured_refs["person"]
+    for engine in engines:
+        [out] = engine.generate([ids], SamplingParams(temperature=0.0, max_tokens=STRUCTURED_TOKENS,
+                                                      structured_outputs=person, thinking_token_budget=2))
+        _check_structured("person", out, expected)
+        assert_drained(engine)
+
+
 def test_structured_outputs_sampled_with_n_and_a_seed_stay_valid(make_llm):
     """Random sampling (temperature 1, n=4, bfloat16, drafts on): every sample obeys the grammar."""
     engine = make_llm(dtype="bfloat16", kv_cache_tokens=4096, speculative_config=SPEC)

@@ -6,6 +6,7 @@ reply with the raw reply text of the same prompt (from /v1/completions, which pa
 from __future__ import annotations
 
 import json
+import re
 from typing import Any, Iterator
 
 import anthropic
@@ -117,6 +118,7 @@ def test_messages_thinking_blocks(server: RemoteServer, model: str, thought) -> 
         kinds = [e.delta.type for e in stream if e.type == "content_block_delta"]
         final = stream.get_final_message()
     assert kinds[0] == "thinking_delta" and "signature_delta" in kinds and kinds[-1] == "text_delta"
+    assert [b.type for b in final.content] == ["thinking", "text"]        # one block per part, however streamed
     assert final.content[0].thinking == reasoning and final.content[1].text == content
     off = client.messages.create(**kw, thinking={"type": "disabled"})
     assert [b.type for b in off.content] == ["text"] and off.content[0].text == content
@@ -124,6 +126,44 @@ def test_messages_thinking_blocks(server: RemoteServer, model: str, thought) -> 
     history = THINK_SHOT + [{"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in msg.content]},
                             {"role": "user", "content": "And 6 plus 6?"}]
     assert client.messages.create(model=model, max_tokens=8, messages=history).content
+
+
+def test_structured_outputs_start_after_a_thought_the_prompt_opens(server: RemoteServer, client: openai.OpenAI,
+                                                                   model: str) -> None:
+    """A reply whose prompt opens a thought (here a prefill: the final assistant message is
+    `<think>`, continued) thinks freely, then its answer obeys the constraint: the raw reply
+    (/v1/completions with the same constraint) is thought, `</think>`, answer, and chat (whole
+    and streamed) and Messages (a prefill too) parse it into reasoning and content, one thinking
+    block. A prompt that opens no thought is constrained from its first token: all content."""
+    opened = THINK_SHOT + [{"role": "assistant", "content": "<think>"}]
+    prefill = {"continue_final_message": True, "add_generation_prompt": False}
+    regex = {"structured_outputs": {"regex": r"The answer is \d+\."}}
+    ids = httpx.post(server.url + "/tokenize", json={"model": model, "messages": opened, **prefill}).json()["tokens"]
+    raw = httpx.post(server.url + "/v1/completions", timeout=120, json={
+        "model": model, "prompt": ids, **regex, **GREEDY}).json()["choices"][0]
+    thought, tag, answer = raw["text"].partition("</think>")
+    assert tag and thought and re.fullmatch(r"The answer is \d+\.", answer) and raw["finish_reason"] == "stop", raw
+    m = client.chat.completions.create(model=model, messages=opened, extra_body={**prefill, **regex},
+                                       **GREEDY).choices[0].message
+    assert (m.model_extra["reasoning"], m.content) == (thought, answer)
+    chunks = list(client.chat.completions.create(model=model, messages=opened, stream=True,
+                                                 extra_body={**prefill, **regex}, **GREEDY))
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    assert "".join(d.model_extra.get("reasoning") or "" for d in deltas) == thought
+    assert "".join(d.content or "" for d in deltas) == answer
+    schema = {"type": "object", "properties": {"answer": {"type": "integer"}}, "required": ["answer"],
+              "additionalProperties": False}
+    js = client.chat.completions.create(model=model, messages=opened, extra_body=prefill, **GREEDY, response_format={
+        "type": "json_schema", "json_schema": {"name": "a", "schema": schema}}).choices[0].message
+    assert js.model_extra["reasoning"] and json.loads(js.content).keys() == {"answer"}
+    anth = anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0)
+    msg = anth.messages.create(model=model, max_tokens=GREEDY["max_tokens"], messages=opened,
+                               extra_body={"temperature": 0, "output_config": {"format": {
+                                   "type": "json_schema", "schema": schema}}})
+    assert [b.type for b in msg.content] == ["thinking", "text"] and msg.content[0].thinking == js.model_extra["reasoning"], msg.content
+    assert json.loads(msg.content[1].text) == json.loads(js.content)
+    plain = client.chat.completions.create(model=model, messages=THINK_SHOT, extra_body=regex, **GREEDY).choices[0].message
+    assert "reasoning" not in plain.model_extra and re.fullmatch(r"The answer is \d+\.", plain.content)
 
 
 @pytest.fixture(scope="module")

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from sluice.engine.request import Request
 from sluice.engine.sampler import Sampler, SamplingRow
 from sluice.engine.spec_decode import NgramProposer
 from sluice.engine.structured_output import (
@@ -160,6 +161,24 @@ def test_masks_after_drafts_equal_masks_of_states_that_consumed_them(compiler, t
     assert digits == {"-"}, digits
 
 
+def test_drafts_past_the_complete_output_leave_the_state_as_it_was(compiler, tokenizer):
+    """Drafts copied from a history run past the token that completes the output into an end
+    token (a reply "6." then the turn's end): their masks leave the state where it was. llguidance
+    takes an end token after a complete output without counting it, so rolling back every draft
+    undid one of the output's own tokens and the next real token was refused (seen end to end)."""
+    state = compiler.compile(SO(regex=r"The answer is \d+\.")).new_state()
+    for t in tokenizer.encode("The answer is ", add_special_tokens=False):
+        assert state.consume(t)
+    before = state.masks()[0]
+    drafts = tokenizer.encode("6.", add_special_tokens=False) + [tokenizer.eos_token_ids[0]] * 2
+    assert state.valid_prefix(drafts) >= 3
+    masks = state.masks(drafts)
+    assert torch.equal(state.masks()[0], before)
+    done = len(drafts) - 2                               # the rows after "." allow only the end
+    assert all(allowed(masks[i]) == set(tokenizer.eos_token_ids) for i in range(done, len(drafts) + 1))
+    assert state.consume(tokenizer.encode("1", add_special_tokens=False)[0]) and state.error is None
+
+
 def test_valid_prefix_stops_at_the_first_token_the_grammar_refuses(compiler, tokenizer):
     state = compiler.compile(SO(regex=r"[0-9]{3}-[0-9]{4}")).new_state()
     good = tokenizer.encode("12", add_special_tokens=False)
@@ -185,9 +204,8 @@ def test_end_of_sequence_is_the_only_token_once_the_output_is_complete(compiler,
 
 
 def test_proposer_cuts_drafts_to_what_the_grammar_allows(compiler, tokenizer):
-    class Req:   # what NgramProposer reads of a request
-        def __init__(self, ids, grammar):
-            self.all_token_ids, self.grammar, self.ngram_index = ids, grammar, None
+    def Req(ids, grammar):
+        return Request("r", ids, SamplingParams(), 16, 0.0, grammar=grammar)
 
     text = "123-4567 and 123-4567 and 123"
     ids = tokenizer.encode(text, add_special_tokens=False)
@@ -201,6 +219,41 @@ def test_proposer_cuts_drafts_to_what_the_grammar_allows(compiler, tokenizer):
     assert cut == free[:state.valid_prefix(free)]
     assert 0 < len(cut) < len(free)   # "-4567" is allowed, " and" is not
     assert re.fullmatch(r"-[0-9]{4}", tokenizer.decode(cut))
+
+
+def test_a_grammar_waits_for_the_thought_the_prompt_opened(compiler, tokenizer):
+    """A request whose prompt opens a thought: its grammar constrains nothing (no masks, drafts
+    uncut) until the thought's end tag, then everything after it; drafts across the end tag get
+    masks from there and are cut where the grammar refuses; a tail dropped back into the thought
+    leaves the grammar as if it had seen nothing."""
+    from sluice.engine.thinking import ThinkingTags, ThoughtTracker
+
+    enc = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+    tags = ThinkingTags(tuple(enc("<think>")), tuple(enc("</think>")), tuple(enc("</think>")))
+    prompt = enc("Question?") + enc("<think>")
+    grammar = compiler.compile(SO(regex=r"The answer is \d+\.")).new_state()
+    req = Request("r", prompt, SamplingParams(), 64, 0.0, grammar=grammar,
+                  thinking=ThoughtTracker(tags, None, prompt))
+    assert not req.constrained and req.grammar_masks(enc("Hmm, six")) is None
+    thought, end, answer = enc("Hmm."), enc("</think>"), enc("The answer is 6. Yes")
+    drafts = thought + end + answer
+    masks = req.grammar_masks(thought + end + answer[:2])
+    c = len(thought) + len(end)
+    assert all(m is None for m in masks[:c]) and all(m is not None for m in masks[c:])
+    assert torch.equal(masks[c], compiler.compile(SO(regex=r"The answer is \d+\.")).new_state().masks()[0])
+    shaped = req.shape_drafts(list(drafts), len(drafts))
+    assert tokenizer.decode(shaped) == "Hmm.</think>The answer is 6."   # " Yes" is refused
+    for t in thought + end:
+        req.append_output_token(t)
+    assert req.constrained and req.grammar_start == c
+    for t in answer[:2]:
+        req.append_output_token(t)
+    assert req.error is None and req.grammar.valid_prefix(answer[2:3]) == 1
+    req.drop_output_tail(2 + len(end))                   # back inside the thought
+    assert not req.constrained and req.grammar_masks() is None
+    for t in end + enc("The"):
+        req.append_output_token(t)
+    assert req.constrained and req.error is None and req.grammar.valid_prefix(enc(" answer")) == 1
 
 
 # --- bitmasks and the sampler -------------------------------------------------------------------

@@ -5,6 +5,7 @@ scheduler with the sampled tokens, turn tokens into text and outputs.
 """
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import time
@@ -25,7 +26,7 @@ from sluice.engine.request import Request, RequestStatus
 from sluice.engine.scheduler import Scheduler, SchedulerOutput
 from sluice.engine.stats import EngineStats
 from sluice.engine.structured_output import GrammarCompiler
-from sluice.engine.thinking_budget import ThinkingBudget, ThinkingTags
+from sluice.engine.thinking import ThinkingTags, ThoughtTracker
 from sluice.model.loader import load_model, load_tokenizer
 from sluice.outputs import CompletionOutput, Logprob, RequestOutput
 from sluice.sampling_params import SamplingParams
@@ -162,8 +163,14 @@ class LLMEngine:
         if budget is not None and self.thinking_tags is None:
             raise RequestRejected("thinking_token_budget needs the model's thinking tags: start the server with "
                                   "--reasoning-parser (or --reasoning-config)", param="thinking_token_budget")
-        # A constrained reply is all content (its grammar holds from the first token): no thought to cut.
-        budget = budget if grammar is None else None
+        # The reply's thought is tracked for its budget, and for its grammar when the prompt opens
+        # it (the grammar starts where the thought closes). A reply constrained from its first
+        # token has no thought.
+        thought = None
+        if self.thinking_tags is not None and (budget is not None or grammar is not None):
+            thought = ThoughtTracker(self.thinking_tags, budget, prompt_token_ids)
+            if grammar is not None and not thought.opens_in_prompt:
+                thought = None
 
         now = arrival_time if arrival_time is not None else self.clock()
         workflow = workflow or WorkflowInfo()
@@ -176,7 +183,7 @@ class LLMEngine:
             req = Request(child_id, prompt_token_ids, params, max_tokens, now, self.eos_token_ids,
                           workflow.workflow_id, workflow.is_last_step, generator,
                           grammar.new_state() if grammar is not None else None, bad_words,
-                          ThinkingBudget(self.thinking_tags, budget, prompt_token_ids) if budget is not None else None)
+                          copy.copy(thought) if thought is not None else None)   # a state per sample
             detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.skip_special_tokens,
                                            params.stop, params.include_stop_str_in_output)
             want_lp = params.logprobs is not None

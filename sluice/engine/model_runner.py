@@ -164,22 +164,23 @@ class ModelRunner:
     def _rows(req: Request, drafts) -> list[SamplingRow]:
         """The sampling rows of a request: one, or one per verified position, each seeing the
         drafts before it as generated output (and, with structured outputs, the grammar's mask
-        after them; with a thinking budget, the token forced after them)."""
-        masks = req.grammar.masks(drafts) if req.grammar is not None else None
+        after them, once a thought the prompt opened has closed; with a thinking budget, the token
+        forced after them)."""
+        masks = req.grammar_masks(drafts)
         forced = req.forced_token_ids(drafts)
         rows = []
         for i in range(len(drafts) + 1):
+            mask = masks[i] if masks is not None else None
             suppress = req.suppressed_token_ids(i)
-            if suppress and masks is not None and not leaves_a_token(masks[i], suppress):
+            if suppress and mask is not None and not leaves_a_token(mask, suppress):
                 suppress = ()   # min_tokens yields where the grammar allows nothing but an end
             if req.bad_words is not None:
                 banned = req.banned_token_ids(drafts[:i])
-                if banned and (masks is None or leaves_a_token(masks[i], (*suppress, *banned))):
+                if banned and (mask is None or leaves_a_token(mask, (*suppress, *banned))):
                     suppress = (*suppress, *banned)   # (a grammar that allows only banned ids wins)
             rows.append(SamplingRow(params=req.params, prompt_token_ids=req.prompt_token_ids,
                                     output_token_ids=[*req.output_token_ids, *drafts[:i]] if i else req.output_token_ids,
-                                    generator=req.generator, suppress_token_ids=suppress,
-                                    token_mask=masks[i] if masks is not None else None,
+                                    generator=req.generator, suppress_token_ids=suppress, token_mask=mask,
                                     forced_token_id=forced[i] if forced is not None else None))
         return rows
 

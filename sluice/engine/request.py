@@ -9,7 +9,7 @@ import torch
 from sluice.engine.bad_words import BadWords
 from sluice.engine.block_pool import Block, BlockHash
 from sluice.engine.structured_output import GrammarState
-from sluice.engine.thinking_budget import ThinkingBudget
+from sluice.engine.thinking import ThoughtTracker
 from sluice.sampling_params import SamplingParams
 
 
@@ -59,7 +59,7 @@ class Request:
         generator: Optional[torch.Generator] = None,
         grammar: Optional[GrammarState] = None,
         bad_words: Optional[BadWords] = None,
-        thinking: Optional[ThinkingBudget] = None,
+        thinking: Optional[ThoughtTracker] = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -71,9 +71,14 @@ class Request:
         self.has_named_workflow = workflow_id is not None
         self.is_last_step = is_last_step
         self.generator = generator
-        self.grammar = grammar                 # structured outputs: advances with every output token
+        self.grammar = grammar                 # structured outputs: advances with every output token it constrains
         self.bad_words = bad_words             # params.bad_words as token sequences (bad_words.py)
-        self.thinking = thinking               # params.thinking_token_budget's state (thinking_budget.py)
+        # The thought the reply is in (thinking.py): its budget, and where its grammar starts. None
+        # where neither applies (a reply constrained from its first token has no thought).
+        self.thinking = thinking
+        # Output index of the first token the grammar constrains; None while it waits for the
+        # prompt's open thought to close.
+        self.grammar_start: Optional[int] = None if thinking is not None and thinking.opens_in_prompt else 0
 
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(prompt_token_ids)
@@ -144,17 +149,30 @@ class Request:
     def max_total_tokens(self) -> int:
         return self.num_prompt_tokens + self.max_tokens
 
+    @property
+    def constrained(self) -> bool:
+        """The grammar constrains the next token (structured outputs, past any opening thought)."""
+        return self.grammar is not None and self.grammar_start is not None
+
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
-        if self.grammar is not None and not self.grammar.consume(token_id):
+        if self.grammar is None:
+            return
+        if self.grammar_start is None:
+            if not self.thinking.is_open(self.all_token_ids):   # the thought closed: the answer starts
+                self.grammar_start = len(self.output_token_ids)
+        elif not self.grammar.consume(token_id):
             self.error = f"structured outputs: the grammar rejected token {token_id}: {self.grammar.error}"
 
     def drop_output_tail(self, k: int) -> None:
         """Forget the last k output tokens (speculated past a stop string: never produced)."""
         if k > 0:
-            if self.grammar is not None and self.error is None:
-                self.grammar.rollback(k)
+            kept = self.num_output_tokens - k
+            if self.grammar_start is not None and self.grammar is not None and self.error is None:
+                self.grammar.rollback(self.num_output_tokens - max(kept, self.grammar_start))
+            if self.grammar_start is not None and kept < self.grammar_start:
+                self.grammar_start = None       # the thought's end went with the tail
             del self.output_token_ids[-k:]
             del self.all_token_ids[-k:]
             self.num_computed_tokens = min(self.num_computed_tokens, self.num_tokens)
@@ -163,7 +181,7 @@ class Request:
         """Token-level stop conditions after a token was appended (stop strings are checked later)."""
         tok = self.output_token_ids[-1]
         n = self.num_output_tokens
-        if self.grammar is not None:
+        if self.constrained:
             if self.error is not None:
                 return RequestStatus.FINISHED_ERROR
             if self.grammar.is_stopped:      # the output is complete (its end token, if any, taken)
@@ -200,8 +218,36 @@ class Request:
 
     def forced_token_ids(self, drafts: Sequence[int] = ()) -> Optional[list[Optional[int]]]:
         """The token each position sampled after the output and drafts[:j] must be (j in
-        0..len(drafts); None where it is free): a thought's forced end; None when none is forced."""
-        return self.thinking.forced(self.all_token_ids, drafts) if self.thinking is not None else None
+        0..len(drafts); None where it is free): a thought's forced end; None when none is forced
+        (also once a grammar constrains the answer: the thought is over)."""
+        if self.thinking is None or self.constrained:
+            return None
+        return self.thinking.forced(self.all_token_ids, drafts)
+
+    def grammar_masks(self, drafts: Sequence[int] = ()) -> Optional[list[Optional[torch.Tensor]]]:
+        """Structured outputs' token mask of each position sampled after the output and drafts[:j]
+        (None where the thought is still open), or None when no position is constrained."""
+        if self.grammar is None:
+            return None
+        if self.grammar_start is not None:
+            return list(self.grammar.masks(drafts))
+        c = self.thinking.closes(self.all_token_ids, drafts)
+        if c is None:
+            return None
+        return [None] * c + list(self.grammar.masks(drafts[c:]))
+
+    def shape_drafts(self, drafts: list[int], k: int) -> list[int]:
+        """Prompt-lookup drafts (at most k) as this request can take them: a thought's forced end
+        written in, and no further than its grammar allows."""
+        if self.thinking is not None and not self.constrained:
+            drafts = self.thinking.overlay(self.all_token_ids, drafts, k)
+        if drafts and self.grammar is not None:
+            if self.grammar_start is not None:
+                return drafts[:self.grammar.valid_prefix(drafts)]
+            c = self.thinking.closes(self.all_token_ids, drafts)
+            if c is not None:
+                return drafts[:c + self.grammar.valid_prefix(drafts[c:])]
+        return drafts
 
     def __repr__(self) -> str:
         return (f"Request({self.request_id}, {self.status.value}, computed={self.num_computed_tokens}/"

@@ -75,12 +75,8 @@ class NgramProposer:
         index = req.ngram_index
         if index is None:
             index = req.ngram_index = NgramIndex(self.config.prompt_lookup_min, self.config.prompt_lookup_max)
-        drafts = index.propose(req.all_token_ids, k)
-        if req.thinking is not None:   # a thought's forced end is drafted, so it is verified at once
-            drafts = req.thinking.overlay(req.all_token_ids, drafts, k)
-        if drafts and req.grammar is not None:   # structured outputs: only what the grammar allows
-            drafts = drafts[:req.grammar.valid_prefix(drafts)]
-        return drafts
+        # a thought's forced end drafted (verified at once); structured outputs: what the grammar allows
+        return req.shape_drafts(index.propose(req.all_token_ids, k), k)
 
 
 def accept(drafts: Sequence[int], sampled: Sequence[int]) -> list[int]:

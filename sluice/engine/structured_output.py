@@ -93,7 +93,10 @@ class GrammarState:
 
     def masks(self, drafts: Sequence[int] = ()) -> torch.Tensor:
         """[1 + len(drafts), W] int32: the mask now and after each prefix of `drafts`, which must
-        all be accepted (see `valid_prefix`)."""
+        all be accepted (see `valid_prefix`). Past a draft that completes the output the rows
+        repeat the complete output's mask: the sequence stops at that draft, and the matcher takes
+        an end token there without counting it, so consuming it would make the rollback undo one
+        of the sequence's own tokens."""
         out = torch.empty((len(drafts) + 1, self._words), dtype=torch.int32)
         consumed = 0
         try:
@@ -101,6 +104,9 @@ class GrammarState:
                 row = out[i]
                 self._matcher.unsafe_compute_mask_ptr(row.data_ptr(), self._words * 4)
                 if i < len(drafts):
+                    if self._matcher.is_stopped():
+                        out[i + 1:] = row
+                        break
                     if not self._matcher.consume_token(drafts[i]):
                         raise RuntimeError(f"draft token {drafts[i]} is not allowed by the grammar")
                     consumed += 1

@@ -123,11 +123,14 @@ class OpenAIServingChat(OpenAIServing):
         """The factory of per-choice reply parsers: `parse_tools` (tool calls, or None for plain
         text) inside a reasoning split when the server has a reasoning parser (the reasoning left
         out unless `include_reasoning`). A constrained reply (structured outputs, a forced tool
-        choice) is all content: its grammar holds from its first token (vLLM applies it after the
-        reasoning instead)."""
-        if self.server_config.reasoning_parser is None or params.structured_outputs is not None:
+        choice) whose prompt opens a thought thinks freely first: the engine starts its grammar
+        after the thought (as vLLM does); one whose prompt opens none is constrained from its
+        first token, so it is all content."""
+        if self.server_config.reasoning_parser is None:
             return parse_tools
         in_reasoning = starts_in_reasoning(self.tokenizer.decode(prompt_ids[-32:], skip_special_tokens=False))
+        if params.structured_outputs is not None and not in_reasoning:
+            return parse_tools
         return lambda: ReasoningStream(in_reasoning, parse_tools, include_reasoning)
 
     def prompt_text(self, request: ChatCompletionRequest, prompt_ids: list[int]) -> Optional[str]:

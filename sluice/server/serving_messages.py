@@ -258,9 +258,10 @@ def stop_reason(sample: CompletionOutput, called: bool) -> tuple[Optional[str], 
 
 
 class ContentBlocks(ReplyParts):
-    """The content blocks of one reply (`text`, `tool_use`), built from its parser's events as
+    """The content blocks of one reply (`thinking`, `text`, `tool_use`), built from its parser's events as
     they come (ReplyParts); each method returns the stream events it causes."""
 
+    REASONING = "thinking"
     TEXT = "text"
     CALL = "tool_use"
 

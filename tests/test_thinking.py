@@ -1,6 +1,7 @@
-"""thinking_token_budget's state (engine/thinking_budget.py) on hand-built token sequences: where a
-thought opens and closes, which positions are forced, the same answers through drafts as token by
-token, and the drafts' overlay; then the config that gives the engine its tags."""
+"""A sequence's thought (engine/thinking.py) on hand-built token sequences: where it opens and
+closes, which positions thinking_token_budget forces, the same answers through drafts as token by
+token, the drafts' overlay, and where a grammar waiting for the thought starts; then the config
+that gives the engine its tags."""
 from __future__ import annotations
 
 import random
@@ -8,7 +9,7 @@ import random
 import pytest
 
 from sluice.config import ReasoningConfig, reasoning_tags
-from sluice.engine.thinking_budget import ThinkingBudget, ThinkingTags
+from sluice.engine.thinking import ThinkingTags, ThoughtTracker
 from sluice.sampling_params import SamplingParams
 
 S, E = 1, 2                      # one-token start and end tags
@@ -20,7 +21,7 @@ MULTI = ThinkingTags(start=(3, 4), end=(5, 4), forced=(9, 5, 4))   # tags of two
 def run(tags: ThinkingTags, budget: int, prompt: list[int], model: list[int]) -> tuple[list[int], list]:
     """Decode token by token: the model's wish at each position unless it is forced. The output
     and the forced token of each position."""
-    tb = ThinkingBudget(tags, budget, prompt)
+    tb = ThoughtTracker(tags, budget, prompt)
     out, forced = [], []
     for want in model:
         f = tb.forced(prompt + out)
@@ -77,16 +78,16 @@ def test_forced_through_drafts_is_what_token_by_token_gives() -> None:
             prompt = [rng.choice([S, E, 3, 4, 5, 10]) for _ in range(rng.randrange(1, 6))]
             model = [rng.choice([S, E, 3, 4, 5, 9, 20, 21]) for _ in range(rng.randrange(1, 14))]
             out, _ = run(tags, budget, prompt, model)
-            expected = [(ThinkingBudget(tags, budget, prompt).forced(prompt + out[:p]) or [None])[0]
+            expected = [(ThoughtTracker(tags, budget, prompt).forced(prompt + out[:p]) or [None])[0]
                         for p in range(len(out) + 1)]
-            tb = ThinkingBudget(tags, budget, prompt)
+            tb = ThoughtTracker(tags, budget, prompt)
             for cut in range(len(out) + 1):
                 got = tb.forced(prompt + out[:cut], out[cut:])
                 assert (got or [None] * (len(out) - cut + 1)) == expected[cut:], (tags, budget, prompt, out, cut)
 
 
 def test_overlay_drafts_the_forced_end() -> None:
-    tb = ThinkingBudget(PHRASE, 2, [10, S])
+    tb = ThoughtTracker(PHRASE, 2, [10, S])
     assert tb.overlay([10, S, 20], [21, 22, 23], 6) == [21, 7, 8, E]    # the rest followed other tokens
     assert tb.overlay([10, S, 20], [], 6) == []                           # nothing to copy before the budget
     assert tb.overlay([10, S, 20, 21], [], 2) == [7, 8]                   # forced tokens drafted from nothing
@@ -95,7 +96,7 @@ def test_overlay_drafts_the_forced_end() -> None:
 
 
 def test_tokens_dropped_from_the_output_are_forgotten() -> None:
-    tb = ThinkingBudget(TAGS, 2, [S])
+    tb = ThoughtTracker(TAGS, 2, [S])
     assert tb.forced([S, 20, 21]) == [E]
     assert tb.forced([S, 20]) is None          # a tail dropped (speculated past a stop string)
     assert tb.forced([S, 20, E, 21]) is None
@@ -122,3 +123,19 @@ def test_the_budget_is_a_non_negative_integer() -> None:
     for bad in (-1, 1.5, True, "3"):
         with pytest.raises(ValueError):
             SamplingParams(thinking_token_budget=bad)
+
+
+def test_where_a_thought_closes_through_drafts() -> None:
+    tb = ThoughtTracker(TAGS, None, [10, S])                 # no budget: it only tracks
+    assert tb.opens_in_prompt and tb.is_open([10, S, 20])
+    assert tb.closes([10, S, 20], [21, E, 22]) == 2          # after the end tag, the third position
+    assert tb.closes([10, S, 20], [21, 22]) is None
+    assert tb.forced([10, S, 20, 21, 22, 23]) is None and tb.overlay([10, S], [20, 21], 5) == [20, 21]
+    assert not tb.is_open([10, S, 20, E])
+    assert tb.closes([10, S, 20, E], [S, 21]) == 0           # closed already (a new thought does not undo that)
+    # a forced end closes it when it is written whole
+    tb = ThoughtTracker(PHRASE, 1, [S])
+    assert tb.closes([S], [20, 7, 8, E]) == 4 and tb.closes([S, 20, 7], [8]) is None
+    assert not ThoughtTracker(TAGS, None, [10, S, 11, E]).opens_in_prompt
+    assert not ThoughtTracker(MULTI, None, [3, 4, 20, 5, 4]).opens_in_prompt
+    assert ThoughtTracker(MULTI, None, [5, 4, 3, 4]).opens_in_prompt
