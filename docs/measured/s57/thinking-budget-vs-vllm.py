@@ -3,7 +3,9 @@ default model as `smollm2-135m` with `--reasoning-parser glm45 --reasoning-confi
 '{"reasoning_end_str": " Time to answer.</think>"}'` (the forced end is a transition phrase). Greedy
 replies to two prompts: the few-shot chat of tests/test_server_reasoning.py (the model opens and closes
 its own thought) and a completion whose prompt opens the thought (`<think>\\n` after the generation
-prompt: the prompt's own thought token counts). Prints each server's answers side by side.
+prompt: the prompt's own thought token counts); then structured outputs with a thought: a regex on the
+few-shot chat with a `<think>` prefill (the prompt opens the thought), on the plain few-shot chat (it opens
+none) and on the opened completion. Prints each server's answers side by side.
 
     python docs/measured/s57/thinking-budget-vs-vllm.py http://127.0.0.1:8000 http://127.0.0.1:8100
 """
@@ -70,6 +72,26 @@ def probe(base: str) -> dict:
                               thinking={"type": "enabled", "budget_tokens": 3})
         return [(b.type, getattr(b, "thinking", None) or getattr(b, "text", None)) for b in m.content]
     attempt("messages budget_tokens=3", messages)
+
+    regex = {"structured_outputs": {"regex": r"The answer is \d+\."}}
+    prefill = {"continue_final_message": True, "add_generation_prompt": False}
+    opened_chat = THINK_SHOT + [{"role": "assistant", "content": "<think>"}]
+    for name, messages, extra in (("prefill <think>", opened_chat, {**prefill, **regex}),
+                                  ("prefill <think> + budget 3", opened_chat,
+                                   {**prefill, **regex, "thinking_token_budget": 3}),
+                                  ("no thought opened", THINK_SHOT, regex)):
+        def constrained(messages=messages, extra=extra):
+            m = c.chat.completions.create(model=MODEL, messages=messages, max_tokens=60, temperature=0,
+                                          extra_body=extra).choices[0]
+            return {"reasoning": (m.message.model_extra or {}).get("reasoning"), "content": m.message.content,
+                    "finish": m.finish_reason}
+        attempt(f"chat regex, {name}", constrained)
+
+    def constrained_completion():
+        r = c.completions.create(model=MODEL, prompt=OPENED, max_tokens=60, temperature=0,
+                                 extra_body={**regex, "thinking_token_budget": 4})
+        return {"text": r.choices[0].text, "finish": r.choices[0].finish_reason}
+    attempt("completion regex + budget 4 (prompt opens the thought)", constrained_completion)
 
     def bad():
         r = httpx.post(base + "/v1/chat/completions", timeout=60, json={
