@@ -459,6 +459,7 @@ def test_bad_words_match_transformers(make_llm, llm, ref, hf_fp32, prompt_ids):
     sequences sluice derives (a word of the free output alone, then a two-word phrase of it, whose
     second token is banned only right after its first), with and without speculative decoding."""
     spec = make_llm(dtype="float32", kv_cache_tokens=4096, enable_prefix_caching=False, speculative_config=SPEC)
+    cases = []
     for name in ("france", "story", "numbers", "long"):
         ids = prompt_ids[name]
         free, _ = ref(ids)
@@ -478,13 +479,15 @@ def test_bad_words_match_transformers(make_llm, llm, ref, hf_fp32, prompt_ids):
                 expected = hf_fp32.generate(t, attention_mask=torch.ones_like(t), do_sample=False, max_new_tokens=MAX_TOKENS,
                                             bad_words_ids=seqs)[0, len(ids):].tolist()
             assert expected != free, (name, bad)
-            params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, bad_words=bad)
-            for engine in (llm, spec):
-                [out] = engine.generate([ids], params)
-                got = out.outputs[0].token_ids
-                assert got == expected[:len(got)] and (len(got) == len(expected) or out.outputs[0].finish_reason == "stop"), (
-                    name, bad, got, expected)
-                assert not any(tuple(got[i:i + len(s)]) == tuple(s) for s in seqs for i in range(len(got))), (name, bad)
+            cases.append((name, ids, bad, seqs, expected))
+    for engine in (llm, spec):   # every case in one batch
+        outs = engine.generate([c[1] for c in cases], [SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, bad_words=c[2])
+                                                       for c in cases])
+        for (name, _, bad, seqs, expected), out in zip(cases, outs):
+            got = out.outputs[0].token_ids
+            assert got == expected[:len(got)] and (len(got) == len(expected) or out.outputs[0].finish_reason == "stop"), (
+                name, bad, got, expected)
+            assert not any(tuple(got[i:i + len(s)]) == tuple(s) for s in seqs for i in range(len(got))), (name, bad)
     assert _spec_counts(spec)[1] > 0
     assert_drained(spec)
 
@@ -497,20 +500,20 @@ def test_repetition_detection_ends_the_reference_output_where_it_repeats(make_ll
     spec = make_llm(dtype="float32", kv_cache_tokens=4096, enable_prefix_caching=False, speculative_config=SPEC)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS,
                             repetition_detection=RepetitionDetectionParams(max_pattern_size=4, min_count=2))
-    cut_prompts = []
-    for name, ids in prompt_ids.items():
-        expected, _ = ref(ids)
-        cut = next((k for k in range(1, len(expected) + 1) if reference_repeats(expected[:k], 4, 0, 2)), None)
-        for engine in (llm, spec):
-            [out] = engine.generate([ids], params)
+    names = list(prompt_ids)
+    for engine in (llm, spec):   # every prompt in one batch
+        outs = engine.generate([prompt_ids[n] for n in names], params)
+        for name, out in zip(names, outs):
+            expected, _ = ref(prompt_ids[name])
+            cut = next((k for k in range(1, len(expected) + 1) if reference_repeats(expected[:k], 4, 0, 2)), None)
             o = out.outputs[0]
             if cut is None:
                 assert o.token_ids == expected and o.finish_reason != "repetition", name
             else:
                 assert (o.token_ids, o.finish_reason, o.stop_reason) == (
                     expected[:cut], "repetition", "repetition_detected"), (name, o.token_ids, expected)
-        if cut is not None:
-            cut_prompts.append(name)
+    cut_prompts = [n for n in names if any(reference_repeats(ref(prompt_ids[n])[0][:k], 4, 0, 2)
+                                           for k in range(1, MAX_TOKENS + 1))]
     assert len(cut_prompts) >= 2, cut_prompts         # real outputs that repeat, not only clean ones
     assert_drained(llm)
     assert_drained(spec)
@@ -715,7 +718,8 @@ def test_structured_outputs_with_speculative_decoding_and_chunked_prefill(make_l
 
 def test_structured_outputs_start_where_the_prompts_thought_closes(make_llm, llm, hf_fp32, ref, structured_refs):
     """With the model's thinking tags known (a reasoning parser), a reply whose prompt opens a
-    thought thinks freely and is constrained from the token after the thought's end (vLLM's rule):
+    thought (or, with a one-token start tag, whose first token opens one) thinks freely and is
+    constrained from the token after the thought's end (vLLM's rule):
     float32 greedy output is transformers' free thought up to its end (the model's own, or the
     forced one at a thinking budget), then transformers' masked loop from there. A prompt that
     opens no thought is constrained from its first token, as without the tags (and a budget then
@@ -756,6 +760,28 @@ def test_structured_outputs_start_where_the_prompts_thought_closes(make_llm, llm
             else:
                 jsonschema.validate(json.loads(reply if head else got.text), PERSON)
         assert_drained(engine)
+    # A one-token start tag (here "Thinking", with " So:" its end): a reply whose prompt opens no
+    # thought may open one with its first token (the grammar's tokens or the tag); it does on the
+    # few-shot prompt, and the JSON reply, whose first token is the grammar's, is as without tags.
+    tagged = make_llm(dtype="float32", kv_cache_tokens=4096, enable_prefix_caching=False, speculative_config=SPEC,
+                      reasoning_config={"reasoning_start_str": "Thinking", "reasoning_end_str": " So:"})
+    shot = [{"role": "user", "content": "What is 2 plus 2?"},
+            {"role": "assistant", "content": "Thinking two plus two makes four. So: The answer is 4."},
+            {"role": "user", "content": "What is 3 plus 3?"},
+            {"role": "assistant", "content": "Thinking three plus three makes six. So: The answer is 6."},
+            {"role": "user", "content": "What is 5 plus 5?"}]
+    shot_ids, so = encode(llm, shot), tok.encode(" So:", add_special_tokens=False)
+    free, _ = ref(shot_ids)
+    assert free[0] == tok.encode("Thinking", add_special_tokens=False)[0], tok.decode(free)
+    head = free[:next(i for i in range(len(free)) if free[i:i + len(so)] == so) + len(so)]
+    spaced = StructuredOutputsParams(regex=r" The answer is \d+\.")
+    want = [head + constrained_reference(hf_fp32, lltok, shot_ids + head, spaced, eos), plain]
+    outs = tagged.generate([shot_ids, ids], [SamplingParams(temperature=0.0, max_tokens=STRUCTURED_TOKENS,
+                                                             structured_outputs=spec) for spec in (spaced, person)])
+    for out, expected_ids in zip(outs, want):
+        assert out.outputs[0].token_ids == expected_ids, (tok.decode(out.outputs[0].token_ids), tok.decode(expected_ids))
+        assert out.outputs[0].finish_reason == "stop"
+    assert_drained(tagged)
 
 
 def test_structured_outputs_sampled_with_n_and_a_seed_stay_valid(make_llm):

@@ -84,6 +84,24 @@ def test_any_split_gives_the_whole_texts_events(data, pieces, in_reasoning, tool
     assert run(reasoning(in_reasoning, tools), text, tuple(cuts)) == run(reasoning(in_reasoning, tools), text)
 
 
+LEADING = [
+    # a constrained reply (`leading`): one thought at most, at its start; then every character is content
+    (True, 'cut short <think>', [ReasoningDelta('cut short <think>')]),
+    (True, 'Hm.</think>{"a": "</think><think>x"}', [ReasoningDelta("Hm."), '{"a": "</think><think>x"}']),
+    (False, '<think>Hm.</think>{"a": "<think>"}', [ReasoningDelta("Hm."), '{"a": "<think>"}']),
+    (False, ' <think>{"a": 1}', [' <think>{"a": 1}']),        # only the very first text opens one
+    (False, '{"a": "</think>"}', ['{"a": "</think>"}']),
+    (False, "<thin", ["<thin"]),                               # held while it could be the tag, then text
+]
+
+
+@pytest.mark.parametrize("in_reasoning, text, expected", LEADING)
+def test_a_constrained_reply_has_one_leading_thought_at_most(in_reasoning, text, expected):
+    for cut in [None, *range(len(text) + 1)]:
+        parser = ReasoningStream(in_reasoning, None, True, leading=True)
+        assert run(parser, text, () if cut is None else (cut,)) == expected, cut
+
+
 def test_reasoning_left_out_and_read_whole():
     text = "<think>secret</think>Answer."
     assert run(reasoning(False, keep=False), text) == ["Answer."]

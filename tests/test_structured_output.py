@@ -256,6 +256,43 @@ def test_a_grammar_waits_for_the_thought_the_prompt_opened(compiler, tokenizer):
     assert req.constrained and req.error is None and req.grammar.valid_prefix(enc(" answer")) == 1
 
 
+def test_a_one_token_start_tag_may_open_a_thought_at_the_first_token(compiler, tokenizer):
+    """Tags whose start is one token (Qwen3's, GLM's; here SmolLM2's "Thinking"): a constrained
+    reply whose prompt opens no thought may open one with its first token. That position allows
+    the grammar's tokens and the start tag; drafts opening the thought get no mask inside it and
+    the grammar's after it; a first token that opens none is the answer's (the grammar takes it),
+    and dropping it makes the choice open again."""
+    from sluice.engine.thinking import ThinkingTags, ThoughtTracker
+
+    enc = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+    [start], end = enc("Thinking"), tuple(enc(" So:"))
+    tags = ThinkingTags((start,), end, end)
+    spec = SO(regex=r" The answer is \d+\.")
+    prompt = enc("Question?")
+    req = Request("r", prompt, SamplingParams(), 64, 0.0, grammar=compiler.compile(spec).new_state(),
+                  thinking=ThoughtTracker(tags, None, prompt))
+    plain = compiler.compile(spec).new_state().masks()[0]
+    assert not req.constrained and req.thought_start == start
+    [first] = req.grammar_masks()
+    assert allowed(first) == allowed(plain) | {start} and start not in allowed(plain)
+    thought, answer = enc(" hm"), enc(" The answer")
+    masks = req.grammar_masks([start, *thought, *end, *answer])
+    c = 1 + len(thought) + len(end)
+    assert torch.equal(masks[0], first) and all(m is None for m in masks[1:c]) and torch.equal(masks[c], plain)
+    masks = req.grammar_masks(answer)
+    assert torch.equal(masks[0], first) and allowed(masks[1]) == allowed(compiler.compile(spec).new_state().masks(
+        answer)[1])
+    assert req.shape_drafts([*answer, *enc(" no")], 8) == answer
+    req.append_output_token(answer[0])                     # no thought: the grammar takes it
+    assert req.constrained and req.grammar_start == 0 and req.error is None
+    req.drop_output_tail(1)
+    assert not req.constrained and torch.equal(req.grammar_masks()[0], first)
+    for t in [start, *thought, *end]:
+        req.append_output_token(t)
+    assert req.constrained and req.grammar_start == c and req.error is None
+    assert req.grammar.valid_prefix(answer) == len(answer)
+
+
 # --- bitmasks and the sampler -------------------------------------------------------------------
 def _bitmask(ids: list[int], vocab: int) -> torch.Tensor:
     words = [0] * mask_words(vocab)

@@ -56,6 +56,7 @@ class AsyncEngine:
         self.engine = engine or LLMEngine(config)
         self.tokenizer = self.engine.tokenizer
         self.grammars = self.engine.grammars   # thread-safe: the server compiles into its cache
+        self.thinking_tags = self.engine.thinking_tags   # read-only
         self._commands: queue.Queue = queue.Queue()
         self._streams: dict[str, asyncio.Queue] = {}
         self._loop: Optional[asyncio.AbstractEventLoop] = None

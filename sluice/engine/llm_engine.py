@@ -163,13 +163,13 @@ class LLMEngine:
         if budget is not None and self.thinking_tags is None:
             raise RequestRejected("thinking_token_budget needs the model's thinking tags: start the server with "
                                   "--reasoning-parser (or --reasoning-config)", param="thinking_token_budget")
-        # The reply's thought is tracked for its budget, and for its grammar when the prompt opens
-        # it (the grammar starts where the thought closes). A reply constrained from its first
-        # token has no thought.
+        # The reply's thought is tracked for its budget, and for its grammar, which starts where
+        # the thought closes: one the prompt opens, or one the reply opens with its first token
+        # where the start tag is one token. Otherwise a constrained reply has no thought.
         thought = None
         if self.thinking_tags is not None and (budget is not None or grammar is not None):
             thought = ThoughtTracker(self.thinking_tags, budget, prompt_token_ids)
-            if grammar is not None and not thought.opens_in_prompt:
+            if grammar is not None and not thought.opens_in_prompt and len(self.thinking_tags.start) != 1:
                 thought = None
 
         now = arrival_time if arrival_time is not None else self.clock()

@@ -8,7 +8,7 @@ import torch
 
 from sluice.engine.bad_words import BadWords
 from sluice.engine.block_pool import Block, BlockHash
-from sluice.engine.structured_output import GrammarState
+from sluice.engine.structured_output import GrammarState, allow_token
 from sluice.engine.thinking import ThoughtTracker
 from sluice.sampling_params import SamplingParams
 
@@ -76,9 +76,16 @@ class Request:
         # The thought the reply is in (thinking.py): its budget, and where its grammar starts. None
         # where neither applies (a reply constrained from its first token has no thought).
         self.thinking = thinking
-        # Output index of the first token the grammar constrains; None while it waits for the
-        # prompt's open thought to close.
-        self.grammar_start: Optional[int] = None if thinking is not None and thinking.opens_in_prompt else 0
+        # Output index of the first token the grammar constrains; None while it waits: for the
+        # prompt's open thought to close, or for the first token, which may open a thought
+        # (`thought_start`, a one-token start tag: Qwen3's hybrid templates leave it to the model).
+        self.grammar_start: Optional[int] = 0
+        self.thought_start: Optional[int] = None
+        if grammar is not None and thinking is not None:
+            if thinking.opens_in_prompt:
+                self.grammar_start = None
+            elif len(thinking.tags.start) == 1:
+                self.grammar_start, self.thought_start = None, thinking.tags.start[0]
 
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(prompt_token_ids)
@@ -160,9 +167,14 @@ class Request:
         if self.grammar is None:
             return
         if self.grammar_start is None:
-            if not self.thinking.is_open(self.all_token_ids):   # the thought closed: the answer starts
+            if self.num_output_tokens == 1 and self.thought_start is not None and token_id != self.thought_start:
+                self.grammar_start = 0          # the reply opened no thought: its first token is the answer's
+            elif not self.thinking.is_open(self.all_token_ids):   # the thought closed: the answer starts
                 self.grammar_start = len(self.output_token_ids)
-        elif not self.grammar.consume(token_id):
+                return
+            else:
+                return
+        if not self.grammar.consume(token_id):
             self.error = f"structured outputs: the grammar rejected token {token_id}: {self.grammar.error}"
 
     def drop_output_tail(self, k: int) -> None:
@@ -171,8 +183,9 @@ class Request:
             kept = self.num_output_tokens - k
             if self.grammar_start is not None and self.grammar is not None and self.error is None:
                 self.grammar.rollback(self.num_output_tokens - max(kept, self.grammar_start))
-            if self.grammar_start is not None and kept < self.grammar_start:
-                self.grammar_start = None       # the thought's end went with the tail
+            if self.grammar_start is not None and (kept < self.grammar_start
+                                                   or kept == 0 and self.thought_start is not None):
+                self.grammar_start = None       # the thought's end (or the first token) went with the tail
             del self.output_token_ids[-k:]
             del self.all_token_ids[-k:]
             self.num_computed_tokens = min(self.num_computed_tokens, self.num_tokens)
@@ -231,10 +244,20 @@ class Request:
             return None
         if self.grammar_start is not None:
             return list(self.grammar.masks(drafts))
-        c = self.thinking.closes(self.all_token_ids, drafts)
-        if c is None:
-            return None
-        return [None] * c + list(self.grammar.masks(drafts[c:]))
+        c = self._answer_start(drafts)
+        rows = [None] * (len(drafts) + 1) if c is None else [None] * c + list(self.grammar.masks(drafts[c:]))
+        if self.thought_start is not None and self.num_output_tokens == 0:   # the answer, or a thought
+            rows[0] = allow_token(rows[0] if rows[0] is not None else self.grammar.masks()[0], self.thought_start)
+        return rows if any(m is not None for m in rows) else None
+
+    def _answer_start(self, drafts: Sequence[int]) -> Optional[int]:
+        """While the grammar waits: the position among `drafts` where the answer starts (after the
+        thought; at once where the first token opens none), None when not within them."""
+        if self.thought_start is not None and self.num_output_tokens == 0:
+            if not drafts or drafts[0] != self.thought_start:
+                return 0
+            return self.thinking.closes(self.all_token_ids, drafts, first=1)
+        return self.thinking.closes(self.all_token_ids, drafts)
 
     def shape_drafts(self, drafts: list[int], k: int) -> list[int]:
         """Prompt-lookup drafts (at most k) as this request can take them: a thought's forced end
@@ -244,7 +267,7 @@ class Request:
         if drafts and self.grammar is not None:
             if self.grammar_start is not None:
                 return drafts[:self.grammar.valid_prefix(drafts)]
-            c = self.thinking.closes(self.all_token_ids, drafts)
+            c = self._answer_start(drafts)
             if c is not None:
                 return drafts[:c + self.grammar.valid_prefix(drafts[c:])]
         return drafts

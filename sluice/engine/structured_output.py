@@ -60,6 +60,14 @@ def apply_token_masks(logits: torch.Tensor, masks: torch.Tensor) -> None:
     logits.masked_fill_(~allowed_tokens(masks, logits.shape[1]), float("-inf"))
 
 
+def allow_token(mask: torch.Tensor, token_id: int) -> torch.Tensor:
+    """A copy of bitmask `mask` [W] int32 that also allows `token_id`."""
+    out = mask.clone()
+    bit = 1 << (token_id % 32)
+    out[token_id // 32] |= bit - (1 << 32) if bit >= 1 << 31 else bit
+    return out
+
+
 class GrammarState:
     """One sequence's position in its grammar."""
 

@@ -121,10 +121,11 @@ class ThoughtTracker:
         """Whether a thought is open (or its forced end is being written) after `tokens`."""
         return self._sync(tokens) != (None, None)
 
-    def closes(self, tokens: Sequence[int], drafts: Sequence[int] = ()) -> Optional[int]:
-        """The least j in 0..len(drafts) with no thought open after `tokens` then drafts[:j]; None
-        when it stays open through the drafts."""
-        return next((j for j, state in enumerate(self._walk(tokens, drafts)) if state == (None, None)), None)
+    def closes(self, tokens: Sequence[int], drafts: Sequence[int] = (), first: int = 0) -> Optional[int]:
+        """The least j in first..len(drafts) with no thought open after `tokens` then drafts[:j];
+        None when it stays open through the drafts."""
+        return next((j for j, state in enumerate(self._walk(tokens, drafts))
+                     if j >= first and state == (None, None)), None)
 
     def forced(self, tokens: Sequence[int], drafts: Sequence[int] = ()) -> Optional[list[Optional[int]]]:
         """The forced token of each position sampled after `tokens` then drafts[:j], for j in

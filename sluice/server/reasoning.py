@@ -61,15 +61,22 @@ class ReasoningStream:
     """Splits a reply into reasoning and content as its text arrives: `feed(delta)` and at the end
     `finish()` return the events that are certain so far, in order. `content` makes the parser
     content goes through (a tool-call parser), or None for plain text; with `keep` false the
-    reasoning is dropped (vLLM's `include_reasoning: false`)."""
+    reasoning is dropped (vLLM's `include_reasoning: false`); `leading` for a constrained reply
+    (one thought at most, at its start)."""
 
-    def __init__(self, in_reasoning: bool, content: Optional[Callable[[], Any]] = None, keep: bool = True) -> None:
+    def __init__(self, in_reasoning: bool, content: Optional[Callable[[], Any]] = None, keep: bool = True,
+                 leading: bool = False) -> None:
         self._in_reasoning = in_reasoning
         self._keep = keep
         self._content = content() if content is not None else None
         # what ends a thought: its closing tag, and a call's opening tag when calls are parsed
         self._ends = (THINK_END, _TOOL_CALL_START) if self._content is not None else (THINK_END,)
         self._pending = ""
+        # `leading`: a constrained reply, whose only thought is one it starts in or opens with its
+        # first text; after it (or from the first text that opens none) every character is
+        # content, tags included (a JSON string may hold one).
+        self._leading = leading
+        self._verbatim = False
 
     def feed(self, delta: str) -> list[Any]:
         self._pending += delta
@@ -85,6 +92,19 @@ class ReasoningStream:
                 # a closing tag is consumed; a call's opening tag starts the content
                 self._pending = self._pending[i + len(THINK_END):] if tag == THINK_END else self._pending[i:]
                 self._in_reasoning = False
+                self._verbatim = self._leading
+                continue
+            if self._verbatim:
+                text, self._pending = self._pending, ""
+                return events + self._to_content(text)
+            if self._leading:   # the reply's first text: a thought opens here or nowhere
+                if THINK_START.startswith(self._pending):
+                    return events          # (all of it could still be the tag)
+                if self._pending.startswith(THINK_START):
+                    self._pending = self._pending[len(THINK_START):]
+                    self._in_reasoning = True
+                else:
+                    self._verbatim = True
                 continue
             found = first_tag(self._pending, (THINK_START, THINK_END))
             if found is None:

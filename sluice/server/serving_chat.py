@@ -123,15 +123,18 @@ class OpenAIServingChat(OpenAIServing):
         """The factory of per-choice reply parsers: `parse_tools` (tool calls, or None for plain
         text) inside a reasoning split when the server has a reasoning parser (the reasoning left
         out unless `include_reasoning`). A constrained reply (structured outputs, a forced tool
-        choice) whose prompt opens a thought thinks freely first: the engine starts its grammar
-        after the thought (as vLLM does); one whose prompt opens none is constrained from its
-        first token, so it is all content."""
+        choice) thinks freely first where the engine lets it (its grammar starts after the thought,
+        as vLLM's does): a thought the prompt opens, or one the reply opens with its first token
+        where the start tag is one token; after that thought its text is all content. Otherwise
+        it is constrained from its first token, and all content."""
         if self.server_config.reasoning_parser is None:
             return parse_tools
         in_reasoning = starts_in_reasoning(self.tokenizer.decode(prompt_ids[-32:], skip_special_tokens=False))
-        if params.structured_outputs is not None and not in_reasoning:
+        constrained = params.structured_outputs is not None
+        tags = self.engine.thinking_tags
+        if constrained and not in_reasoning and (tags is None or len(tags.start) != 1):
             return parse_tools
-        return lambda: ReasoningStream(in_reasoning, parse_tools, include_reasoning)
+        return lambda: ReasoningStream(in_reasoning, parse_tools, include_reasoning, leading=constrained)
 
     def prompt_text(self, request: ChatCompletionRequest, prompt_ids: list[int]) -> Optional[str]:
         """vLLM's `return_prompt_text`: the text of the prompt the model ran on (after truncation)."""
