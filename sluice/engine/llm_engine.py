@@ -110,7 +110,8 @@ class LLMEngine:
         self.runner = ModelRunner(config, model, num_blocks, plan.state)
         self.eos_token_ids = tuple(dict.fromkeys(self.tokenizer.eos_token_ids + config.model.eos_token_ids))
         self.vocab_size = config.model.vocab_size
-        # The thinking model's tags as tokens, for thinking_token_budget (None: the engine was not told them).
+        # A thinking model's tags as tokens (None: the engine was not told them): thinking budgets, and
+        # where a constrained reply's grammar starts (engine/thinking.py).
         self.thinking_tags = ThinkingTags.from_config(config.reasoning, self.tokenizer) if config.reasoning else None
         self.grammars = GrammarCompiler(self.tokenizer.info.tokenizer_json, self.vocab_size, self.eos_token_ids)
         self._groups: dict[str, _Group] = {}
