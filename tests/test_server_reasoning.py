@@ -164,6 +164,12 @@ def test_structured_outputs_start_after_a_thought_the_prompt_opens(server: Remot
     assert json.loads(msg.content[1].text) == json.loads(js.content)
     plain = client.chat.completions.create(model=model, messages=THINK_SHOT, extra_body=regex, **GREEDY).choices[0].message
     assert "reasoning" not in plain.model_extra and re.fullmatch(r"The answer is \d+\.", plain.content)
+    # a prompt whose text ends with the tag but whose tokens do not hold it ("?<" is one token here):
+    # the engine constrains from the first token, and the reply is read the same way, as content
+    merged = THINK_SHOT + [{"role": "assistant", "content": "Hmm?<think>"}]
+    m = client.chat.completions.create(model=model, messages=merged, extra_body={**prefill, **regex},
+                                       **GREEDY).choices[0].message
+    assert "reasoning" not in m.model_extra and re.fullmatch(r"The answer is \d+\.", m.content), m
 
 
 @pytest.fixture(scope="module")
