@@ -196,8 +196,9 @@ WEIGHT_FORMATS = ("auto", "native", "bf16")
 
 @dataclass(frozen=True)
 class ReasoningConfig:
-    """How a thinking model's thought opens and closes, for `thinking_token_budget` (vLLM's
-    `--reasoning-config`; `--reasoning-parser` sets the parsers' `<think>` / `</think>`).
+    """How a thinking model's thought opens and closes, for `thinking_token_budget` and for where a
+    constrained reply's grammar starts (vLLM's `--reasoning-config`; `--reasoning-parser` sets the
+    parsers' `<think>` / `</think>`).
     `forced_end` (vLLM's `reasoning_end_str`) is what the engine writes when a thought reaches its
     budget: the end tag, or a transition phrase ending with it; None: the end tag."""
 
@@ -277,7 +278,8 @@ class EngineConfig:
     # reads a file path into it).
     chat_template: Optional[str] = None
     # A thinking model's tags (a reasoning parser or --reasoning-config): requests may then set
-    # `thinking_token_budget` (engine/thinking_budget.py). None: they may not.
+    # `thinking_token_budget`, and a constrained reply's grammar starts after its thought
+    # (engine/thinking.py). None: neither.
     reasoning: Optional[ReasoningConfig] = None
 
     def __post_init__(self) -> None:

@@ -481,8 +481,8 @@ def test_bad_words_match_transformers(make_llm, llm, ref, hf_fp32, prompt_ids):
             assert expected != free, (name, bad)
             cases.append((name, ids, bad, seqs, expected))
     for engine in (llm, spec):   # every case in one batch
-        outs = engine.generate([c[1] for c in cases], [SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, bad_words=c[2])
-                                                       for c in cases])
+        outs = engine.generate([c[1] for c in cases],
+                               [SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, bad_words=c[2]) for c in cases])
         for (name, _, bad, seqs, expected), out in zip(cases, outs):
             got = out.outputs[0].token_ids
             assert got == expected[:len(got)] and (len(got) == len(expected) or out.outputs[0].finish_reason == "stop"), (

@@ -160,7 +160,8 @@ def test_structured_outputs_start_after_a_thought_the_prompt_opens(server: Remot
     msg = anth.messages.create(model=model, max_tokens=GREEDY["max_tokens"], messages=opened,
                                extra_body={"temperature": 0, "output_config": {"format": {
                                    "type": "json_schema", "schema": schema}}})
-    assert [b.type for b in msg.content] == ["thinking", "text"] and msg.content[0].thinking == js.model_extra["reasoning"], msg.content
+    assert [b.type for b in msg.content] == ["thinking", "text"], msg.content
+    assert msg.content[0].thinking == js.model_extra["reasoning"]
     assert json.loads(msg.content[1].text) == json.loads(js.content)
     plain = client.chat.completions.create(model=model, messages=THINK_SHOT, extra_body=regex, **GREEDY).choices[0].message
     assert "reasoning" not in plain.model_extra and re.fullmatch(r"The answer is \d+\.", plain.content)

@@ -258,8 +258,8 @@ def stop_reason(sample: CompletionOutput, called: bool) -> tuple[Optional[str], 
 
 
 class ContentBlocks(ReplyParts):
-    """The content blocks of one reply (`thinking`, `text`, `tool_use`), built from its parser's events as
-    they come (ReplyParts); each method returns the stream events it causes."""
+    """The content blocks of one reply (`thinking`, `text`, `tool_use`), built from its parser's
+    events as they come (ReplyParts); each method returns the stream events it causes."""
 
     REASONING = "thinking"
     TEXT = "text"
