@@ -170,7 +170,7 @@ class LLMEngine:
         thought = None
         if self.thinking_tags is not None and (budget is not None or grammar is not None):
             thought = ThoughtTracker(self.thinking_tags, budget, prompt_token_ids)
-            if grammar is not None and not thought.opens_in_prompt and len(self.thinking_tags.start) != 1:
+            if grammar is not None and not thought.may_think:
                 thought = None
 
         now = arrival_time if arrival_time is not None else self.clock()

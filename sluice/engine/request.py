@@ -81,11 +81,8 @@ class Request:
         # (`thought_start`, a one-token start tag: Qwen3's hybrid templates leave it to the model).
         self.grammar_start: Optional[int] = 0
         self.thought_start: Optional[int] = None
-        if grammar is not None and thinking is not None:
-            if thinking.opens_in_prompt:
-                self.grammar_start = None
-            elif len(thinking.tags.start) == 1:
-                self.grammar_start, self.thought_start = None, thinking.tags.start[0]
+        if grammar is not None and thinking is not None and thinking.may_think:
+            self.grammar_start, self.thought_start = None, thinking.leading_start
 
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(prompt_token_ids)

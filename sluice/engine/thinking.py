@@ -82,6 +82,19 @@ class ThoughtTracker:
         """The prompt leaves a thought open: the reply starts inside it."""
         return self._prompt_state[0] is not None
 
+    @property
+    def leading_start(self) -> Optional[int]:
+        """Where the prompt opens no thought: the token that opens one as the reply's first, when
+        the start tag is one token (Qwen3's and GLM's are; Qwen3's hybrid templates leave the tag to
+        the model); else None."""
+        return self.tags.start[0] if not self.opens_in_prompt and len(self.tags.start) == 1 else None
+
+    @property
+    def may_think(self) -> bool:
+        """A constrained reply may think before its answer (its grammar starts after the thought):
+        the prompt opens the thought, or the reply's first token may."""
+        return self.opens_in_prompt or self.leading_start is not None
+
     def _after(self, seq: Sequence[int], i: int, base: int, state: tuple) -> tuple:
         """The state after seq[i] (absolute position base + i), from the state before it."""
         open_at, force_at = state
@@ -106,11 +119,15 @@ class ThoughtTracker:
         self._len, self._state = len(tokens), state
         return state
 
+    def _tail(self, tokens: Sequence[int]) -> tuple[list[int], int]:
+        """The last tokens a tag ending in a draft may span, and the position of the first."""
+        base = max(0, len(tokens) - self._window)
+        return list(tokens[base:]), base
+
     def _walk(self, tokens: Sequence[int], drafts: Sequence[int]):
         """The state before each position sampled after `tokens` then drafts[:j], j = 0..len(drafts)."""
         state = self._sync(tokens)
-        base = max(0, len(tokens) - self._window)      # the last tokens a tag ending in a draft may span
-        seq = list(tokens[base:])
+        seq, base = self._tail(tokens)
         for j in range(len(drafts) + 1):
             yield state
             if j < len(drafts):
@@ -144,8 +161,7 @@ class ThoughtTracker:
         if self.budget is None:
             return list(drafts[:k])
         state = self._sync(tokens)
-        base = max(0, len(tokens) - self._window)
-        seq = list(tokens[base:])
+        seq, base = self._tail(tokens)
         out: list[int] = []
         changed = False
         for j in range(k):

@@ -130,16 +130,16 @@ class OpenAIServingChat(OpenAIServing):
         it is constrained from its first token, and all content."""
         if self.server_config.reasoning_parser is None:
             return parse_tools
-        tags = self.engine.thinking_tags
         if params.structured_outputs is None:
             in_reasoning = starts_in_reasoning(self.tokenizer.decode(prompt_ids[-32:], skip_special_tokens=False))
             return lambda: ReasoningStream(in_reasoning, parse_tools, include_reasoning)
-        # constrained: where the reply starts is the engine's reading (the tags in tokens), which
-        # decides where its grammar starts
-        in_reasoning = tags is not None and ThoughtTracker(tags, None, prompt_ids).opens_in_prompt
-        if not in_reasoning and (tags is None or len(tags.start) != 1):
+        # constrained: the engine's reading of the prompt (the tags in tokens), which decides where
+        # its grammar starts
+        tags = self.engine.thinking_tags
+        thought = ThoughtTracker(tags, None, prompt_ids) if tags is not None else None
+        if thought is None or not thought.may_think:
             return parse_tools
-        return lambda: ReasoningStream(in_reasoning, parse_tools, include_reasoning, leading=True)
+        return lambda: ReasoningStream(thought.opens_in_prompt, parse_tools, include_reasoning, leading=True)
 
     def prompt_text(self, request: ChatCompletionRequest, prompt_ids: list[int]) -> Optional[str]:
         """vLLM's `return_prompt_text`: the text of the prompt the model ran on (after truncation)."""
