@@ -2,15 +2,25 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
 _MAX_LOGPROBS = 20
+MAX_BEAM_WIDTH = _MAX_LOGPROBS // 2   # each step asks for every beam's 2n most likely next tokens
 MAX_CACHE_SALT_CHARS = 1024   # vLLM's OpenAI schema bound
 MAX_LOGPROB_TOKEN_IDS = 128   # each costs a pass over the vocabulary per output position
 # A stream interval no output reaches: only a request's first output and its last (the server's
 # non-streamed calls, which read only the end, skip building an output per step).
 STREAM_FINAL_ONLY = 1 << 62
+
+
+class ParamError(ValueError):
+    """A ValueError that names the request field at fault (the server's 400 carries it as `param`)."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 @dataclass(frozen=True)
@@ -219,8 +229,14 @@ class SamplingParams:
     # the last go out at once); the engine's `stream_interval` is the floor. None: the engine's.
     stream_interval: Optional[int] = None
     # vLLM's: an open thought gets at most this many tokens, then the engine writes its end
-    # (engine/thinking_budget.py); needs an engine that knows the model's thinking tags. None: no bound.
+    # (engine/thinking.py); needs an engine that knows the model's thinking tags. None: no bound.
     thinking_token_budget: Optional[int] = None
+    # vLLM's beam search (`use_beam_search`): `n` beams; every step extends each beam by its 2n most
+    # likely next tokens and keeps the n best by cumulative logprob; the n best beams are the output,
+    # ranked by cumulative logprob over length ** length_penalty (engine/beam_search.py). It is
+    # deterministic: the sampling fields are not used.
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -290,6 +306,28 @@ class SamplingParams:
             raise ValueError("thinking_token_budget must be a non-negative integer")
         if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= _MAX_LOGPROBS:
             raise ValueError(f"prompt_logprobs must be in [0, {_MAX_LOGPROBS}]")
+        if not math.isfinite(self.length_penalty):
+            raise ValueError("length_penalty must be a finite number")
+        if self.use_beam_search:
+            self._validate_beam_search()
+
+    def _validate_beam_search(self) -> None:
+        """Beam search ranks beams by the model's own logprobs: what would change the distribution
+        or cut a beam by its text is refused rather than silently ignored."""
+        if self.n > MAX_BEAM_WIDTH:
+            raise ParamError(f"beam search takes n (the beam width) up to {MAX_BEAM_WIDTH}", "n")
+        unsupported = {
+            "stop": bool(self.stop), "bad_words": bool(self.bad_words),
+            "structured_outputs": self.structured_outputs is not None, "logit_bias": bool(self.logit_bias),
+            "allowed_token_ids": self.allowed_token_ids is not None,
+            "presence_penalty": self.presence_penalty != 0.0, "frequency_penalty": self.frequency_penalty != 0.0,
+            "repetition_penalty": self.repetition_penalty != 1.0, "logprob_token_ids": self.logprob_token_ids is not None,
+            "repetition_detection": self.repetition_detection is not None,
+            "thinking_token_budget": self.thinking_token_budget is not None,
+        }
+        for name, used in unsupported.items():
+            if used:
+                raise ParamError(f"{name} is not supported with beam search", name)
 
     @property
     def greedy(self) -> bool:

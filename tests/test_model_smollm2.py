@@ -596,6 +596,91 @@ def test_stream_interval_coalesces_a_requests_outputs(llm, prompt_ids):
     assert_drained(llm)
 
 
+BEAM_TOKENS = 8
+BEAM_CASES = [("france", 3, 1.0), ("france", 4, 0.5), ("story", 3, 1.0), ("multi_turn", 4, 2.0), ("code", 2, 1.0)]
+
+
+def reference_beam_search(model, ids: list[int], width: int, eos: tuple[int, ...], length_penalty: float):
+    """vLLM's beam search written out over transformers' float32 forward (its KV cache reordered
+    to the chosen beams at each step): [(output ids, cumulative logprob, finished)], best first.
+    Asserts that no step and no ranking is decided by a margin numerics could flip."""
+    beams: list[tuple[list[int], float]] = [([], 0.0)]
+    done: list[tuple[list[int], float, bool]] = []
+    with torch.no_grad():
+        out = model(torch.tensor([ids]), use_cache=True)
+    for step in range(BEAM_TOKENS):
+        lp = torch.log_softmax(out.logits[:, -1].float(), dim=-1)
+        cands = []
+        for i, (toks, cum) in enumerate(beams):
+            top = torch.topk(lp[i], 2 * width)
+            for v, t in zip(top.values.tolist(), top.indices.tolist()):
+                if t in eos:
+                    done.append((toks, cum + v, True))
+                else:
+                    cands.append((cum + v, i, t))
+        cands.sort(key=lambda c: -c[0])
+        if len(cands) > width:
+            assert cands[width - 1][0] - cands[width][0] > 1e-3, "a near tie for the last beam: pick another case"
+        beams = [(beams[i][0] + [t], v) for v, i, t in cands[:width]]
+        if step + 1 < BEAM_TOKENS:
+            cache = out.cache
+            cache.reorder_cache(torch.tensor([i for _, i, _ in cands[:width]]))
+            with torch.no_grad():
+                out = model(torch.tensor([[t] for _, _, t in cands[:width]]), cache=cache, use_cache=True)
+    ranked = sorted(done + [(b, v, False) for b, v in beams],
+                    key=lambda b: b[1] / (len(ids) + len(b[0])) ** length_penalty, reverse=True)
+    scores = [b[1] / (len(ids) + len(b[0])) ** length_penalty for b in ranked]
+    assert len(scores) <= width or scores[width - 1] - scores[width] > 1e-4, "a near tie in the ranking"
+    return ranked[:width]
+
+
+def test_beam_search_is_vllms_search_over_transformers_logprobs(make_llm, hf_fp32, prompt_ids):
+    """use_beam_search, float32: every beam (ids, cumulative logprob, finish reason) as vLLM's
+    algorithm gives over transformers' logprobs, for widths 2-4 and three length penalties, the
+    searches in one batch on an engine with prefix caching, where each step's beams are requests
+    that compute only the tokens past their last cached block."""
+    engine = make_llm(dtype="float32", kv_cache_tokens=4096)
+    eos = engine.engine.eos_token_ids
+    prompts = [prompt_ids[name] for name, _, _ in BEAM_CASES]
+    params = [SamplingParams(n=w, use_beam_search=True, max_tokens=BEAM_TOKENS, length_penalty=lp, logprobs=1)
+              for _, w, lp in BEAM_CASES]
+    computed_before = engine.engine.scheduler.prompt_tokens_total
+    outs = engine.generate(prompts, params)
+    saw_stop = False
+    for (name, width, lp), ids, out in zip(BEAM_CASES, prompts, outs):
+        expected = reference_beam_search(hf_fp32, ids, width, eos, lp)
+        assert [o.token_ids for o in out.outputs] == [b[0] for b in expected], name
+        assert [o.finish_reason for o in out.outputs] == ["stop" if b[2] else "length" for b in expected], name
+        assert [o.cumulative_logprob for o in out.outputs] == pytest.approx([b[1] for b in expected], abs=2e-3), name
+        for o in out.outputs:   # a beam's logprobs are its tokens'; a finished one's sum leaves out its EOS
+            assert o.text == engine.tokenizer.decode(o.token_ids) and len(o.logprobs) == len(o.token_ids)
+            total = sum(lps[t].logprob for t, lps in zip(o.token_ids, o.logprobs))
+            assert (total == pytest.approx(o.cumulative_logprob)) == (o.finish_reason == "length"), name
+        saw_stop |= any(b[2] for b in expected)
+    assert saw_stop, "no case finished a beam by EOS"
+    # Each step's beam requests found their prompt in the cache up to their last full block.
+    block = engine.engine.config.cache.block_size
+    most = sum(len(ids) for ids in prompts) + sum(BEAM_TOKENS * w * block for _, w, _ in BEAM_CASES)
+    assert engine.engine.scheduler.prompt_tokens_total - computed_before <= most
+    assert_drained(engine)
+    assert not engine.engine.scheduler.workflows.workflows   # the anonymous calls left no workflow behind
+
+
+def test_an_aborted_beam_search_answers_with_its_beams_so_far(make_llm, prompt_ids):
+    engine = make_llm(dtype="float32", kv_cache_tokens=4096).engine
+    engine.add_request("beams", prompt_ids["story"], SamplingParams(n=3, use_beam_search=True, max_tokens=20))
+    for _ in range(4):
+        assert engine.step() == []    # a beam search answers once, at its end
+    engine.abort_request("beams")
+    (out,) = engine.step()
+    assert out.finished and [o.finish_reason for o in out.outputs] == ["abort"] * 3
+    assert all(len(o.token_ids) == len(out.outputs[0].token_ids) > 0 for o in out.outputs)
+    while engine.has_unfinished():
+        engine.step()
+    engine.scheduler.check_invariants()
+    assert engine.stats().kv_blocks_used == 0
+
+
 def test_speculative_decoding_bfloat16_same_tokens(make_llm, prompt_ids):
     """bfloat16 with the compiled kernels: verifying k + 1 positions in one query gives the same
     greedy tokens as decoding them one by one."""

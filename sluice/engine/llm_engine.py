@@ -6,6 +6,7 @@ scheduler with the sampled tokens, turn tokens into text and outputs.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import logging
 import time
@@ -18,6 +19,7 @@ from sluice.attention import create_backend
 from sluice.config import EngineConfig
 from sluice.engine.admission import StepShape
 from sluice.engine.bad_words import BadWords, bad_words_token_ids
+from sluice.engine.beam_search import BeamSearch
 from sluice.engine.detokenizer import IncrementalDetokenizer
 from sluice.engine.errors import RequestRejected
 from sluice.engine.cache_plan import plan_for
@@ -29,7 +31,7 @@ from sluice.engine.structured_output import GrammarCompiler
 from sluice.engine.thinking import ThinkingTags, ThoughtTracker
 from sluice.model.loader import load_model, load_tokenizer
 from sluice.outputs import CompletionOutput, Logprob, RequestOutput
-from sluice.sampling_params import SamplingParams
+from sluice.sampling_params import STREAM_FINAL_ONLY, SamplingParams
 from sluice.tokenizer import Tokenizer
 
 logger = logging.getLogger("sluice.engine")
@@ -68,6 +70,28 @@ class _Group:
     sent: bool = False                 # an output with tokens has gone out
     ended: bool = False                # a sample finished since the last output
     token_times: list[float] = field(default_factory=list)   # steps that gave it tokens, not yet output
+
+
+@dataclass
+class _BeamGroup:
+    """A beam search request (engine/beam_search.py): each step runs its live beams as one-token
+    requests of their own (`part_of_call`), which share the prompt and the beams' common
+    prefixes through the prefix cache; the call counts once for its workflow."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    search: BeamSearch
+    workflow: WorkflowInfo
+    workflow_key: str                  # the workflow the call counts for (its own id when anonymous)
+    step_params: SamplingParams        # a beam's one-token request: greedy, with its top logprobs
+    arrival_time: float
+    opens_workflow: bool = False
+    children: list[Request] = field(default_factory=list)        # the current step's, by beam
+    entries: dict[int, dict[int, Logprob]] = field(default_factory=dict)   # beam -> its next tokens
+    num_cached_tokens: int = 0
+    prompt_logprobs: Optional[list] = None
+    metrics: dict = field(default_factory=dict)
 
 
 class LLMEngine:
@@ -116,6 +140,8 @@ class LLMEngine:
         self.grammars = GrammarCompiler(self.tokenizer.info.tokenizer_json, self.vocab_size, self.eos_token_ids)
         self._groups: dict[str, _Group] = {}
         self._child_to_group: dict[str, str] = {}
+        self._beams: dict[str, _BeamGroup] = {}
+        self._beam_of_child: dict[str, tuple[_BeamGroup, int]] = {}
         self._pending: list[RequestOutput] = []   # outputs produced outside a step (aborts)
         self._stalled_since: Optional[float] = None  # first of the current run of steps that scheduled nothing
         self.num_stalls = 0                            # times unfinished requests were failed for it
@@ -125,7 +151,7 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     workflow: Optional[WorkflowInfo] = None, arrival_time: Optional[float] = None) -> None:
         """Accept a request or raise RequestRejected (nothing is changed then)."""
-        if request_id in self._groups:
+        if request_id in self._groups or request_id in self._beams:
             raise RequestRejected(f"duplicate request id {request_id!r}")
         if not prompt_token_ids:
             raise RequestRejected("the prompt is empty", param="prompt")
@@ -142,6 +168,10 @@ class LLMEngine:
             if max_tokens < 1:
                 self.scheduler.check_fits(prompt_len, 1)
         self.scheduler.check_fits(prompt_len, max_tokens)
+        if params.use_beam_search:   # one request waits; its beams' requests are the call's own
+            self.scheduler.check_admission(1, prompt_len)
+            self._add_beam_search(request_id, list(prompt_token_ids), params, max_tokens, workflow, arrival_time)
+            return
         self.scheduler.check_admission(params.n, params.n * prompt_len)
         grammar = None
         if params.structured_outputs is not None:
@@ -197,7 +227,91 @@ class LLMEngine:
         for s in samples:
             self.scheduler.add_request(s.req)
 
+    def _add_beam_search(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                         max_tokens: int, workflow: Optional[WorkflowInfo], arrival_time: Optional[float]) -> None:
+        workflow = workflow or WorkflowInfo()
+        width = params.n
+        search = BeamSearch(len(prompt_token_ids), width, max_tokens, self.eos_token_ids + tuple(params.stop_token_ids),
+                            self.eos_token_ids, params.ignore_eos, params.min_tokens, params.length_penalty,
+                            params.include_stop_str_in_output)
+        step_params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True,
+                                     logprobs=max(search.num_candidates, params.logprobs or 0),
+                                     cache_salt=params.cache_salt, priority=params.priority,
+                                     stream_interval=STREAM_FINAL_ONLY)
+        now = arrival_time if arrival_time is not None else self.clock()
+        key = workflow.workflow_id if workflow.workflow_id is not None else request_id
+        group = _BeamGroup(request_id, prompt_token_ids, params, search, workflow, key, step_params, now,
+                           metrics={"arrival_time": now})
+        group.opens_workflow = self.scheduler.open_call(key)
+        self._beams[request_id] = group
+        self._start_beam_step(group)
+
+    def _start_beam_step(self, group: _BeamGroup) -> None:
+        now = self.clock()
+        step = group.search.steps
+        group.children, group.entries = [], {}
+        for i, beam in enumerate(group.search.beams):
+            params = group.step_params
+            if step == 0 and group.params.prompt_logprobs is not None:
+                params = dataclasses.replace(params, prompt_logprobs=group.params.prompt_logprobs)
+            req = Request(f"{group.request_id}@{step}.{i}", group.prompt_token_ids + beam.token_ids, params, 1, now,
+                          workflow_id=group.workflow_key, is_last_step=group.workflow.is_last_step)
+            req.has_named_workflow = group.workflow.workflow_id is not None
+            req.part_of_call = True
+            req.opens_workflow = group.opens_workflow and step == 0
+            group.children.append(req)
+            self._beam_of_child[req.request_id] = (group, i)
+            self.scheduler.add_request(req)
+
+    def _beam_token(self, req: Request, logprobs: dict[str, list[dict[int, Logprob]]]) -> Optional[RequestOutput]:
+        """A beam's one-token request ended: the step advances once every beam's has; the
+        search's output when it is done."""
+        group, i = self._beam_of_child.pop(req.request_id)
+        if req.error is not None or req.request_id not in logprobs:
+            return self._end_beam_search(group, "error", req.error or "a beam's step produced no logprobs")
+        group.entries[i] = logprobs[req.request_id][0]
+        if group.search.steps == 0 and i == 0:
+            group.num_cached_tokens = max(0, req.num_cached_tokens)
+            group.prompt_logprobs = req.prompt_logprobs
+            group.metrics["scheduled_time"] = req.admit_time
+            group.metrics["first_token_time"] = req.first_token_time
+        if len(group.entries) < len(group.children):
+            return None
+        group.search.advance([group.entries[b] for b in range(len(group.children))])
+        if group.search.done:
+            return self._end_beam_search(group, "length")
+        self._start_beam_step(group)
+        return None
+
+    def _end_beam_search(self, group: _BeamGroup, finish_reason: str, error: Optional[str] = None) -> RequestOutput:
+        """The search's output; its unfinished beam requests (an abort, an error) end."""
+        for req in group.children:
+            if self._beam_of_child.pop(req.request_id, None) is not None:
+                self.scheduler.finish_request(req, RequestStatus.FINISHED_ERROR if error else RequestStatus.FINISHED_ABORTED)
+        self._beams.pop(group.request_id, None)
+        self.scheduler.close_call(group.workflow_key, group.workflow.workflow_id is not None,
+                                  group.workflow.is_last_step)
+        params = group.params
+        outs = []
+        for index, beam in enumerate(group.search.best(finish_reason)):
+            text_ids = beam.token_ids[:-1] if beam.ended_by_token else beam.token_ids
+            text = self.tokenizer.decode(text_ids, skip_special_tokens=params.skip_special_tokens) if text_ids else ""
+            outs.append(CompletionOutput(
+                index=index, text=text, token_ids=list(beam.token_ids), cumulative_logprob=beam.cumulative_logprob,
+                logprobs=beam.logprobs[:len(beam.token_ids)] if params.logprobs is not None else None,
+                finish_reason=beam.finish_reason, stop_reason=beam.stop_reason,
+                text_delta=text, num_new_tokens=len(beam.token_ids)))
+        now = self.clock()
+        group.metrics["finish_time"] = now
+        return RequestOutput(group.request_id, group.prompt_token_ids, outs, True,
+                             num_cached_tokens=group.num_cached_tokens, error=error, metrics=dict(group.metrics),
+                             prompt_logprobs=group.prompt_logprobs, token_times=[now])
+
     def abort_request(self, request_id: str) -> None:
+        beams = self._beams.get(request_id)
+        if beams is not None:
+            self._pending.append(self._end_beam_search(beams, "abort"))
+            return
         group = self._groups.get(request_id)
         if group is None:
             return
@@ -208,7 +322,7 @@ class LLMEngine:
 
     def fail_all(self, message: str) -> list[RequestOutput]:
         """Finish every unfinished request with the error `message`; their outputs."""
-        outs = []
+        outs = [self._end_beam_search(g, "error", message) for g in list(self._beams.values())]
         for group in list(self._groups.values()):
             group.error = message
             for s in group.samples:
@@ -328,7 +442,13 @@ class LLMEngine:
 
     def _process(self, updated: list[Request], logprobs: dict[str, list[dict[int, Logprob]]]) -> list[RequestOutput]:
         touched: dict[str, _Group] = {}
+        ended: list[RequestOutput] = []
         for req in updated:
+            if req.part_of_call:
+                out = self._beam_token(req, logprobs)
+                if out is not None:
+                    ended.append(out)
+                continue
             gid = self._child_to_group[req.request_id]
             group = self._groups[gid]
             sample = next(s for s in group.samples if s.req is req)
@@ -370,7 +490,7 @@ class LLMEngine:
         now = self.clock()
         for g in touched.values():
             g.token_times.append(now)
-        return [self._make_output(g) for g in touched.values() if self._due(g)]
+        return ended + [self._make_output(g) for g in touched.values() if self._due(g)]
 
     @staticmethod
     def _due(group: _Group) -> bool:

@@ -111,6 +111,9 @@ class Request:
         # list): one sample's output may be streamed before another's prompt has run.
         self.prompt_logprobs: Optional[list] = [None] if params.prompt_logprobs is not None else None
         self.opens_workflow = False            # the first call of its workflow (set by the scheduler)
+        # One of the requests the engine makes to run a call (a beam search step's beam): the call,
+        # not this request, counts for its workflow (calls, retention, call sizes; llm_engine.py).
+        self.part_of_call = False
 
     @property
     def needs_prompt_logprobs(self) -> bool:

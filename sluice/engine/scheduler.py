@@ -294,8 +294,25 @@ class Scheduler:
     def add_request(self, req: Request) -> None:
         now = self.clock()
         self.requests[req.request_id] = req
-        req.opens_workflow = self.workflows.on_call_arrival(req.workflow_id, now).calls == 1
+        if not req.part_of_call:
+            req.opens_workflow = self.open_call(req.workflow_id)
         self.waiting.append(req)
+
+    def open_call(self, workflow_id: str) -> bool:
+        """A call of the workflow arrived (the engine runs it as one request, or as several
+        `part_of_call` ones); whether it is the workflow's first."""
+        return self.workflows.on_call_arrival(workflow_id, self.clock()).calls == 1
+
+    def close_call(self, workflow_id: str, named: bool, is_last_step: bool) -> None:
+        """A call run as `part_of_call` requests ended (they retained nothing: the prefix cache
+        holds their full blocks)."""
+        if named and is_last_step:
+            wf = self.workflows.workflows.get(workflow_id)
+            if wf is not None:
+                self.workflows.release(wf)
+        self.workflows.on_call_finished(workflow_id, self.clock())
+        if not named:
+            self.workflows.forget_if_idle(workflow_id)
 
     def abort_request(self, request_id: str) -> Optional[Request]:
         req = self.requests.get(request_id)
@@ -691,6 +708,10 @@ class Scheduler:
         req.status = status
         if self.states is not None:
             self._release_state(req)
+        if req.part_of_call:   # the call's own end is close_call's
+            self.kv.free(req)
+            self.requests.pop(req.request_id, None)
+            return
         retain = req.has_named_workflow and not req.is_last_step and status.completed
         if retain and req.num_cached_blocks > 0:
             blocks = self.kv.take_blocks(req)

@@ -226,6 +226,10 @@ class SamplingRequest(OpenAIRequestModel):
     # vLLM's: an open thought gets at most this many tokens, then its end is written (-1: no bound;
     # needs --reasoning-parser or --reasoning-config).
     thinking_token_budget: Optional[StrictInt] = Field(None, ge=-1, le=_INT64_MAX)
+    # vLLM's beam search: `n` beams (engine/beam_search.py); ranked by cumulative logprob over
+    # length ** length_penalty.
+    use_beam_search: Optional[bool] = False
+    length_penalty: Optional[float] = 1.0
 
     @property
     def stop_list(self) -> list[str]:
@@ -303,6 +307,8 @@ class SamplingRequest(OpenAIRequestModel):
             if self.repetition_detection is not None else None,
             stream_interval=self.stream_interval if self.stream else STREAM_FINAL_ONLY,
             thinking_token_budget=None if self.thinking_token_budget in (None, -1) else self.thinking_token_budget,
+            use_beam_search=bool(self.use_beam_search),
+            length_penalty=1.0 if self.length_penalty is None else self.length_penalty,
         )
 
 

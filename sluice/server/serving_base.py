@@ -313,8 +313,6 @@ class OpenAIServing:
             if request.stream:
                 raise APIError(400, "prompt_logprobs is not available with stream", param="prompt_logprobs")
             self.check_logprobs(request.prompt_logprobs, "prompt_logprobs")
-        if (request.model_extra or {}).get("use_beam_search"):
-            raise APIError(400, "beam search is not supported", param="use_beam_search")
         if request.truncate_prompt_tokens is not None and request.truncate_prompt_tokens > self.max_model_len:
             raise APIError(400, f"truncate_prompt_tokens is {request.truncate_prompt_tokens}, more than this model's "
                            f"context of {self.max_model_len} tokens", param="truncate_prompt_tokens")
@@ -445,7 +443,7 @@ class OpenAIServing:
         try:
             return request.to_sampling_params(max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
         except ValueError as e:
-            raise APIError(400, str(e)) from e
+            raise APIError(400, str(e), param=getattr(e, "param", None)) from e
 
     def prompt_logprobs_out(self, output: RequestOutput) -> Optional[list[Optional[dict[int, PromptLogprob]]]]:
         """The engine's prompt logprobs in vLLM's response shape (None where none were asked)."""
