@@ -191,6 +191,35 @@ def test_n_samples(client: openai.OpenAI, model: str) -> None:
     assert set(finished) == {0, 1}
 
 
+def test_beam_search(server: RemoteServer, client: openai.OpenAI, model: str) -> None:
+    """vLLM's `use_beam_search` through the official client: n distinct beams, best first (for
+    beams that ran to max_tokens, by the sum of their tokens' logprobs); streamed, each beam comes
+    as one delta with the same text; chat too; fields it cannot honour are a 400 naming them;
+    a client that goes away mid-search leaves nothing running."""
+    beams = {"use_beam_search": True}
+    resp = client.completions.create(model=model, prompt=PROMPT, max_tokens=8, n=3, logprobs=1, extra_body=beams)
+    choices = sorted(resp.choices, key=lambda c: c.index)
+    assert len({c.text for c in choices}) == 3
+    assert resp.usage.completion_tokens == sum(len(c.logprobs.tokens) for c in choices)
+    full = [sum(c.logprobs.token_logprobs) for c in choices if c.finish_reason == "length"]
+    assert full == sorted(full, reverse=True)
+    streamed: dict[int, list[str]] = {}
+    for chunk in client.completions.create(model=model, prompt=PROMPT, max_tokens=8, n=3, stream=True, extra_body=beams):
+        for c in chunk.choices:
+            streamed.setdefault(c.index, []).append(c.text)
+    assert {i: "".join(t) for i, t in streamed.items()} == {c.index: c.text for c in choices}
+    chat = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=8, n=2, extra_body=beams)
+    assert len({c.message.content for c in chat.choices}) == 2
+    for extra, param in (({"n": 11}, "n"), ({"stop": ["."]}, "stop"), ({"presence_penalty": 1.0}, "presence_penalty")):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(model=model, prompt=PROMPT, max_tokens=4, extra_body={**beams, **extra})
+        assert e.value.body["param"] == param
+    with pytest.raises(httpx.ReadTimeout):   # the client gives up while the beams still run
+        httpx.post(server.url + "/v1/completions", timeout=0.5, json={
+            "model": model, "prompt": LONG_PROMPT, "max_tokens": 1200, "n": 4, "use_beam_search": True, "ignore_eos": True})
+    wait_until_idle(server)
+
+
 def test_completion_batch_of_prompts(client: openai.OpenAI, model: str) -> None:
     resp = client.completions.create(model=model, prompt=[PROMPT, "One, two,"], max_tokens=4, temperature=0)
     assert sorted(c.index for c in resp.choices) == [0, 1]
