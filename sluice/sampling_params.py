@@ -26,8 +26,9 @@ class ParamError(ValueError):
 @dataclass(frozen=True)
 class StructuredOutputsParams:
     """Constrain a request's output to a language (vLLM's `structured_outputs`): exactly one of
-    a JSON schema, any JSON object, a regular expression, a choice of strings, or a grammar (Lark
-    or GBNF). The engine turns it into a token mask at every step (engine/structured_output.py)."""
+    a JSON schema, any JSON object, a regular expression, a choice of strings, a grammar (Lark
+    or GBNF), or structural tags. The engine turns it into a token mask at every step
+    (engine/structured_output.py)."""
 
     json: Optional[Union[str, dict[str, Any]]] = None   # a JSON schema (an object or its text)
     json_object: bool = False                          # any JSON object
@@ -37,15 +38,24 @@ class StructuredOutputsParams:
     disable_any_whitespace: bool = False                # JSON: compact, no whitespace between tokens
     disable_additional_properties: bool = False         # JSON: objects without the keyword get false
     whitespace_pattern: Optional[str] = None            # JSON: a regex for the whitespace allowed
+    # vLLM's structural tags (the JSON text of {"structures": [{"begin", "schema", "end"}, ...],
+    # "triggers": [...]}): free text, except that once the output writes a trigger it goes on with
+    # the begin string of a structure whose begin starts with it, JSON of that structure's schema,
+    # and its end string, then free text again (a tool call inside a reply).
+    structural_tag: Optional[str] = None
 
     def __post_init__(self) -> None:
         if self.choice is not None and not isinstance(self.choice, tuple):
             object.__setattr__(self, "choice", tuple(self.choice))
-        set_ = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        if isinstance(self.structural_tag, dict):
+            object.__setattr__(self, "structural_tag", json.dumps(self.structural_tag))
+        set_ = [k for k in ("json", "regex", "choice", "grammar", "structural_tag") if getattr(self, k) is not None]
         set_ += ["json_object"] if self.json_object else []
         if len(set_) != 1:
-            raise ValueError("structured outputs take exactly one of json, json_object, regex, choice "
-                             f"and grammar; got {set_ or 'none'}")
+            raise ValueError("structured outputs take exactly one of json, json_object, regex, choice, "
+                             f"grammar and structural_tag; got {set_ or 'none'}")
+        if self.structural_tag is not None:
+            self.structural_tags()   # raises for a malformed one
         json_options = [k for k in ("disable_any_whitespace", "disable_additional_properties", "whitespace_pattern")
                         if getattr(self, k) not in (False, None)]
         if json_options and self.kind not in ("json", "json_object"):
@@ -83,16 +93,49 @@ class StructuredOutputsParams:
             schema = {**schema, "x-guidance": {**guidance, **schema.get("x-guidance", {})}}
         return schema
 
+    def structural_tags(self) -> tuple[list[tuple[str, str, Any, str]], list[str]]:
+        """structural_tag as ([(trigger, begin, schema, end)], triggers); ValueError if malformed.
+        The trigger of a structure is the first trigger its begin string starts with (vLLM's rule)."""
+        try:
+            spec = json.loads(self.structural_tag)
+        except (TypeError, json.JSONDecodeError) as e:
+            raise ValueError(f"structured outputs: structural_tag is not valid JSON text: {e}") from e
+        if isinstance(spec, dict) and "format" in spec:
+            raise ValueError('structured outputs: the structural_tag form with "format" (xgrammar\'s) is not '
+                             'supported; give "structures" and "triggers"')
+        if not isinstance(spec, dict) or set(spec) - {"type", "structures", "triggers"}:
+            raise ValueError('structured outputs: structural_tag takes "structures" and "triggers"')
+        triggers, structures = spec.get("triggers"), spec.get("structures")
+        if not isinstance(triggers, list) or not triggers or not all(isinstance(t, str) and t for t in triggers):
+            raise ValueError("structured outputs: structural_tag triggers must be a non-empty list of non-empty strings")
+        if not isinstance(structures, list) or not structures:
+            raise ValueError("structured outputs: structural_tag structures must be a non-empty list")
+        tags = []
+        for s in structures:
+            if (not isinstance(s, dict) or set(s) != {"begin", "schema", "end"} or not isinstance(s["begin"], str)
+                    or not isinstance(s["end"], str) or not isinstance(s["schema"], dict)):
+                raise ValueError('structured outputs: each structural_tag structure is {"begin": text, '
+                                 '"schema": a JSON schema, "end": text}')
+            trigger = next((t for t in triggers if s["begin"].startswith(t)), None)
+            if trigger is None:
+                raise ValueError(f"structured outputs: structural_tag begin {s['begin']!r} starts with none of "
+                                 f"the triggers {triggers}")
+            tags.append((trigger, s["begin"], s["schema"], s["end"]))
+        return tags, triggers
+
     @property
     def kind(self) -> str:
         if self.json_object:
             return "json_object"
-        return next(k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None)
+        return next(k for k in ("json", "regex", "choice", "grammar", "structural_tag") if getattr(self, k) is not None)
 
     def key(self) -> tuple[str, str]:
         """A canonical identity, for caching compiled grammars."""
         if self.kind in ("json", "json_object"):
             return self.kind, json.dumps(self.schema(), sort_keys=True, separators=(",", ":"))
+        if self.kind == "structural_tag":
+            tags, triggers = self.structural_tags()
+            return self.kind, json.dumps([tags, triggers], sort_keys=True, separators=(",", ":"))
         if self.kind == "choice":
             return "choice", json.dumps(list(self.choice))
         return self.kind, getattr(self, self.kind)

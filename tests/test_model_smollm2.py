@@ -709,6 +709,14 @@ STRUCTURED = {   # name: (prompt, spec)
     "phone": (_chat("Make up a phone number."), StructuredOutputsParams(regex=r"\(\d{3}\) \d{3}-\d{4}")),
     "choice": (FRANCE, StructuredOutputsParams(choice=["Paris", "Lyon", "Marseille"])),
     "grammar": ("1, 2, 3, 5, 8, 13,", StructuredOutputsParams(grammar='start: NUM (", " NUM)*\nNUM: /[0-9]+/')),
+    # vLLM's structural tags: free text, and after the trigger the tag's schema, which the few-shot
+    # examples do not follow ("city" there, "town" here)
+    "tag": ('Q: What is the weather in Paris?\nA: <function=get_weather>{"city": "Paris"}</function>\n'
+            'Q: What is the weather in Rome?\nA:',
+            StructuredOutputsParams(structural_tag=json.dumps({"triggers": ["<function="], "structures": [{
+                "begin": "<function=get_weather>", "end": "</function>", "schema": {
+                    "type": "object", "additionalProperties": False, "required": ["town"],
+                    "properties": {"town": {"type": "string"}}}}]}))),
 }
 
 
@@ -755,6 +763,8 @@ def _check_structured(name: str, out, expected: list[int]) -> None:
     comp = out.outputs[0]
     assert comp.token_ids == expected, f"{name}: sluice {comp.token_ids} != transformers {expected}"
     spec = STRUCTURED[name][1]
+    if spec.kind == "structural_tag":
+        _check_tags(comp.text, spec)
     if comp.finish_reason != "stop":
         return
     if spec.kind == "json":
@@ -765,6 +775,15 @@ def _check_structured(name: str, out, expected: list[int]) -> None:
         assert re.fullmatch(spec.regex, comp.text), comp.text
     elif spec.kind == "choice":
         assert comp.text in spec.choice, comp.text
+
+
+def _check_tags(text: str, spec: StructuredOutputsParams) -> None:
+    """Every complete tagged segment of the output holds JSON of its schema; there is one."""
+    (_, begin, schema, end), = spec.structural_tags()[0]
+    segments = re.findall(re.escape(begin) + "(.*?)" + re.escape(end), text, flags=re.S)
+    assert segments, text
+    for seg in segments:
+        jsonschema.validate(json.loads(seg), schema)
 
 
 def test_structured_outputs_match_transformers_with_the_same_masks(llm, structured_refs):

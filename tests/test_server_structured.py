@@ -120,6 +120,30 @@ def test_structured_outputs_on_chat(client: openai.OpenAI, model: str, constrain
     assert resp.choices[0].finish_reason == "stop" and check(text), text
 
 
+TAG_SCHEMA = {"type": "object", "additionalProperties": False, "required": ["town"],
+              "properties": {"town": {"type": "string"}}}
+TAGGED = {"triggers": ["<function="],
+          "structures": [{"begin": "<function=get_weather>", "schema": TAG_SCHEMA, "end": "</function>"}]}
+FEW_SHOT_CALL = ('Q: What is the weather in Paris?\nA: <function=get_weather>{"city": "Paris"}</function>\n'
+                 'Q: What is the weather in Rome?\nA:')
+
+
+@pytest.mark.parametrize("how", ["response_format", "structured_outputs"])
+def test_structural_tags_constrain_only_what_follows_a_trigger(client: openai.OpenAI, model: str, how) -> None:
+    """vLLM's structural tags: the reply is free text, but once it writes the trigger the tag's
+    begin, JSON of its schema (not the few-shot examples' "city") and its end follow."""
+    body = ({"response_format": {"type": "structural_tag", **TAGGED}} if how == "response_format"
+            else {"structured_outputs": {"structural_tag": json.dumps(TAGGED)}})
+    resp = client.completions.create(model=model, prompt=FEW_SHOT_CALL, max_tokens=40, temperature=0, extra_body=body)
+    text = resp.choices[0].text
+    segments = re.findall(r"<function=get_weather>(.*?)</function>", text, flags=re.S)
+    assert segments, text
+    for seg in segments:
+        jsonschema.validate(json.loads(seg), TAG_SCHEMA)
+    free = client.completions.create(model=model, prompt=FEW_SHOT_CALL, max_tokens=40, temperature=0)
+    assert '"city"' in free.choices[0].text      # what the model writes unconstrained
+
+
 def test_structured_outputs_on_completions_sampled_streamed(client: openai.OpenAI, model: str) -> None:
     """/v1/completions, n=3 sampled with a seed, streamed: every choice is one of the choices, and the
     stream gives what the whole reply gives."""
@@ -200,12 +224,18 @@ def post(server: RemoteServer, path: str = "/chat/completions", **body: Any) -> 
     ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, None),
     ({"structured_outputs": {"choice": []}}, None),
     ({"structured_outputs": {"json": "{oops"}}, None),
+    ({"structured_outputs": {"xml": "x"}}, "structured_outputs"),
     ({"structured_outputs": {"structural_tag": "x"}}, "structured_outputs"),
+    ({"structured_outputs": {"structural_tag": json.dumps({"triggers": ["<f="], "structures": [
+        {"begin": "<g=x>", "schema": {}, "end": "</g>"}]})}}, "structured_outputs"),
+    ({"response_format": {"type": "structural_tag", "format": {"type": "triggered_tags"}}}, "response_format"),
+    ({"response_format": {"type": "structural_tag", "triggers": ["<f="]}}, "response_format"),
     ({"guided_json": {"type": "object"}}, "guided_json"),
     ({"guided_choice": ["a", "b"]}, "guided_choice"),
 ], ids=["invalid_schema", "json_schema_without_schema", "unknown_type", "both_fields", "bad_regex",
         "bad_grammar", "two_constraints", "empty_choice", "json_text_not_json", "unknown_key",
-        "removed_guided_json", "removed_guided_choice"])
+        "structural_tag_not_json", "structural_tag_begin_without_trigger", "structural_tag_format_form",
+        "structural_tag_without_structures", "removed_guided_json", "removed_guided_choice"])
 def test_bad_constraints_are_400(server: RemoteServer, body: dict[str, Any], param) -> None:
     for path in ("/chat/completions", "/completions"):
         resp = post(server, path, **body)

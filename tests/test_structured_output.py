@@ -7,6 +7,7 @@ and through the server in test_server_structured.py.
 """
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -67,10 +68,36 @@ def texts(tokenizer, ids) -> set[str]:
     ({"json": "{not json"}, "not a valid JSON schema text"),
     ({"json": "[1, 2]"}, "must be an object"),
     ({"regex": "a", "disable_any_whitespace": True}, "json and json_object only"),
+    ({"structural_tag": "{"}, "not valid JSON text"),
+    ({"structural_tag": {"format": {"type": "triggered_tags"}}}, "xgrammar"),
+    ({"structural_tag": {"structures": [], "triggers": ["<f"]}}, "non-empty list"),
+    ({"structural_tag": {"structures": [{"begin": "<f>", "schema": {}, "end": ""}], "triggers": []}}, "non-empty list"),
+    ({"structural_tag": {"structures": [{"begin": "<f>", "end": ""}], "triggers": ["<f"]}}, "begin"),
+    ({"structural_tag": {"structures": [{"begin": "<g>", "schema": {}, "end": ""}], "triggers": ["<f"]}},
+     "none of the triggers"),
 ])
 def test_params_take_exactly_one_valid_constraint(kwargs, message):
     with pytest.raises(ValueError, match=message):
         SO(**kwargs)
+
+
+def test_structural_tags_free_text_until_a_trigger_then_the_schema(compiler, tokenizer):
+    """Free text may be anything but a trigger; after one, the begin string, then JSON of the
+    schema (an object opens; the few-shot examples' "city" key is refused), then the end."""
+    schema = {"type": "object", "additionalProperties": False, "required": ["town"],
+              "properties": {"town": {"type": "string"}}}
+    spec = SO(structural_tag={"triggers": ["<function="], "structures": [
+        {"begin": "<function=get_weather>", "schema": schema, "end": "</function>"}]})
+    reordered = SO(structural_tag=json.dumps({"structures": [
+        {"schema": schema, "end": "</function>", "begin": "<function=get_weather>"}], "triggers": ["<function="]}))
+    assert spec.kind == "structural_tag" and spec.key() == reordered.key()
+    state = compiler.compile(spec).new_state()
+    assert len(allowed(state.masks()[0])) > 40000                  # free text: nearly every token
+    for t in tokenizer.encode("Sure. <function=get_weather>{\"", add_special_tokens=False):
+        assert t in allowed(state.masks()[0]), tokenizer.decode([t])
+        state.consume(t)
+    following = texts(tokenizer, allowed(state.masks()[0]))
+    assert any(t.startswith("town") for t in following) and not any(t.startswith("city") for t in following)
 
 
 def test_params_key_is_canonical():

@@ -182,7 +182,7 @@ class GrammarCompiler:
 
 
 _WHAT = {"json": "JSON schema", "json_object": "JSON object grammar", "regex": "regular expression",
-         "choice": "choice", "grammar": "grammar"}
+         "choice": "choice", "grammar": "grammar", "structural_tag": "structural tag"}
 
 
 def _first_line(message: str) -> str:
@@ -202,6 +202,14 @@ def grammar_text(spec: StructuredOutputsParams) -> str:
             return llguidance.LLMatcher.grammar_from_regex(spec.regex)
         if kind == "choice":
             return llguidance.grammar_from("choice", list(spec.choice))
+        if kind == "structural_tag":
+            # The schema goes in as a JSON schema. (vLLM's guidance backend passes it compiled, as
+            # grammar text, which llguidance then reads as a schema of unknown keywords: any JSON;
+            # vLLM's default backend for structural tags, xgrammar, enforces the schema, as here.)
+            tags, _ = spec.structural_tags()
+            return llguidance.StructTag.to_grammar([
+                llguidance.StructTag(trigger=trigger, begin=begin, end=end, grammar=schema)
+                for trigger, begin, schema, end in tags])
         return llguidance.grammar_from("grammar", spec.grammar)   # Lark, or GBNF converted to it
     except Exception as e:   # ValueError, or whatever the grammar converters' parsers raise
         raise ValueError(f"invalid {_WHAT[kind]}: {_first_line(str(e))}") from e

@@ -6,6 +6,7 @@ fields sluice's scheduler uses (`workflow_id`, `is_last_step`).
 """
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Any, Literal, Optional, Union
@@ -21,7 +22,8 @@ from pydantic import (
 )
 
 from sluice.sampling_params import (
-    MAX_CACHE_SALT_CHARS, STREAM_FINAL_ONLY, RepetitionDetectionParams, SamplingParams, StructuredOutputsParams,
+    MAX_CACHE_SALT_CHARS, STREAM_FINAL_ONLY, ParamError, RepetitionDetectionParams, SamplingParams,
+    StructuredOutputsParams,
 )
 
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
@@ -126,10 +128,14 @@ class JsonSchemaFormat(OpenAIRequestModel):
 
 
 class ResponseFormat(OpenAIRequestModel):
-    """OpenAI's `response_format`: free text, any JSON object, or JSON matching a schema."""
+    """OpenAI's `response_format`: free text, any JSON object, or JSON matching a schema; or vLLM's
+    structural tags (`structures` of {begin, schema, end} and their `triggers`)."""
 
-    type: Literal["text", "json_object", "json_schema"]
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
     json_schema: Optional[JsonSchemaFormat] = None
+    structures: Optional[list[Any]] = None
+    triggers: Optional[list[Any]] = None
+    format: Optional[Any] = None   # xgrammar's newer structural tag form: a 400
 
 
 class StructuredOutputsRequest(BaseModel):
@@ -143,6 +149,7 @@ class StructuredOutputsRequest(BaseModel):
     regex: Optional[str] = None
     choice: Optional[list[str]] = None
     grammar: Optional[str] = None
+    structural_tag: Optional[str] = None   # vLLM's: the JSON text of {"structures": [...], "triggers": [...]}
     disable_any_whitespace: Optional[bool] = None
     disable_additional_properties: Optional[bool] = None
     whitespace_pattern: Optional[str] = None
@@ -266,13 +273,25 @@ class SamplingRequest(OpenAIRequestModel):
                 raise ValueError("response_format and structured_outputs cannot be combined")
             if fmt.type == "json_object":
                 return StructuredOutputsParams(json_object=True)
+            if fmt.type == "structural_tag":
+                if fmt.format is not None:
+                    raise ParamError('response_format: the structural_tag form with "format" (xgrammar\'s) is not '
+                                     'supported; give "structures" and "triggers"', "response_format")
+                try:
+                    return StructuredOutputsParams(structural_tag=json.dumps(
+                        {"structures": fmt.structures, "triggers": fmt.triggers}))
+                except ValueError as e:
+                    raise ParamError(str(e), "response_format") from e
             if fmt.json_schema is None or fmt.json_schema.schema_ is None:
                 raise ValueError('response_format of type "json_schema" needs json_schema.schema')
             return StructuredOutputsParams(json=fmt.json_schema.schema_)
         so = self.structured_outputs
         if so is None:
             return None
-        return StructuredOutputsParams(**so.model_dump(by_alias=True, exclude_none=True))
+        try:
+            return StructuredOutputsParams(**so.model_dump(by_alias=True, exclude_none=True))
+        except ValueError as e:
+            raise ParamError(str(e), "structured_outputs") from e
 
     def to_sampling_params(self, max_tokens: int, logprobs: Optional[int],
                            prompt_logprobs: Optional[int] = None) -> SamplingParams:
