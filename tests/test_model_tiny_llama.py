@@ -285,6 +285,41 @@ def test_greedy_under_preemption(setup, monkeypatch):
 
 
 
+
+def test_beam_searches_in_a_cache_too_small_for_their_beams(setup):
+    """Three width-3 beam searches and two plain calls at once in the 8-block cache, where a
+    step's three beams (three blocks each) cannot all run together: beam requests wait for blocks
+    while others run, and every search still returns what it returns alone in a large cache; every
+    block is accounted for after, and the calls' workflows (one named) are closed."""
+    if setup.variant.name != "gqa_untied":
+        pytest.skip("the scheduler's part: one variant is enough")
+    beams = SamplingParams(n=3, use_beam_search=True, max_tokens=MAX_TOKENS, ignore_eos=True)
+    alone = [setup.llm.generate([p], beams)[0] for p in TIGHT_PROMPTS[:3]]
+    engine = setup.tight.engine
+    for i, p in enumerate(TIGHT_PROMPTS[:3]):
+        engine.add_request(f"beams-{i}", p, beams, WorkflowInfo("agent") if i == 0 else None)
+    engine.add_request("plain", TIGHT_PROMPTS[3], PARAMS)
+    engine.add_request("plain-2", TIGHT_PROMPTS[0][:20], PARAMS)
+    final, beams_waited = {}, False
+    while engine.has_unfinished():
+        outs = engine.step()
+        sch = engine.scheduler
+        beams_waited |= bool(sch.running) and any(r.part_of_call for r in sch.waiting)
+        for out in outs:
+            if out.request_id.startswith("beams"):   # a beam search answers once, at its end
+                assert out.finished and len(out.outputs) == 3
+            if out.finished:
+                final[out.request_id] = out
+    assert beams_waited
+    for i, expected in enumerate(alone):
+        got = final[f"beams-{i}"]
+        assert [o.token_ids for o in got.outputs] == [o.token_ids for o in expected.outputs], i
+        assert [o.cumulative_logprob for o in got.outputs] == pytest.approx([o.cumulative_logprob for o in expected.outputs])
+    _assert_matches(setup, TIGHT_PROMPTS[3], final["plain"])
+    _drained(setup.tight)
+    wf = engine.scheduler.workflows.workflows
+    assert set(wf) <= {"agent"} and all(w.active_calls == 0 and w.retention is None for w in wf.values())
+
 def _call(llm: LLM, rid: str, prompt: list[int], workflow: str, last: bool = False, after_first_step=None):
     llm.engine.add_request(rid, prompt, PARAMS, WorkflowInfo(workflow, is_last_step=last))
     final, first = None, True
