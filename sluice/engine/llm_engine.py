@@ -85,7 +85,6 @@ class _BeamGroup:
     workflow: WorkflowInfo
     workflow_key: str                  # the workflow the call counts for (its own id when anonymous)
     step_params: SamplingParams        # a beam's one-token request: greedy, with its top logprobs
-    arrival_time: float
     opens_workflow: bool = False
     children: list[Request] = field(default_factory=list)        # the current step's, by beam
     entries: dict[int, dict[int, Logprob]] = field(default_factory=dict)   # beam -> its next tokens
@@ -240,7 +239,7 @@ class LLMEngine:
                                      stream_interval=STREAM_FINAL_ONLY)
         now = arrival_time if arrival_time is not None else self.clock()
         key = workflow.workflow_id if workflow.workflow_id is not None else request_id
-        group = _BeamGroup(request_id, prompt_token_ids, params, search, workflow, key, step_params, now,
+        group = _BeamGroup(request_id, prompt_token_ids, params, search, workflow, key, step_params,
                            metrics={"arrival_time": now})
         group.opens_workflow = self.scheduler.open_call(key)
         self._beams[request_id] = group
