@@ -280,6 +280,10 @@ class SamplingParams:
     # deterministic: the sampling fields are not used.
     use_beam_search: bool = False
     length_penalty: float = 1.0
+    # OpenAI's predicted outputs, as token ids: what the client expects the reply to be (mostly);
+    # with speculative decoding on, drafts copy it where the output follows it (spec_decode.py).
+    # The output does not change, only how many steps it takes.
+    prediction: Optional[list[int]] = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -349,6 +353,8 @@ class SamplingParams:
             raise ValueError("thinking_token_budget must be a non-negative integer")
         if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= _MAX_LOGPROBS:
             raise ValueError(f"prompt_logprobs must be in [0, {_MAX_LOGPROBS}]")
+        if self.prediction is not None and any(not isinstance(t, int) or t < 0 for t in self.prediction):
+            raise ValueError("prediction must be token ids")
         if not math.isfinite(self.length_penalty):
             raise ValueError("length_penalty must be a finite number")
         if self.use_beam_search:
@@ -366,7 +372,7 @@ class SamplingParams:
             "presence_penalty": self.presence_penalty != 0.0, "frequency_penalty": self.frequency_penalty != 0.0,
             "repetition_penalty": self.repetition_penalty != 1.0, "logprob_token_ids": self.logprob_token_ids is not None,
             "repetition_detection": self.repetition_detection is not None,
-            "thinking_token_budget": self.thinking_token_budget is not None,
+            "thinking_token_budget": self.thinking_token_budget is not None, "prediction": bool(self.prediction),
         }
         for name, used in unsupported.items():
             if used:

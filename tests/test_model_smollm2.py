@@ -681,6 +681,30 @@ def test_an_aborted_beam_search_answers_with_its_beams_so_far(make_llm, prompt_i
     assert engine.stats().kv_blocks_used == 0
 
 
+def test_a_predicted_output_changes_the_steps_not_the_tokens(make_llm, ref, prompt_ids):
+    """OpenAI's predicted outputs with prompt lookup on: the reply itself as the prediction, the
+    reply with a phrase edited, and unrelated text each give transformers' greedy tokens, the first
+    two in far fewer steps than without a prediction."""
+    spec = make_llm(dtype="float32", kv_cache_tokens=4096, speculative_config={**SPEC, "num_speculative_tokens": 8})
+    ids = prompt_ids["tips"]
+    expected, _ = ref(ids)
+    edited = expected[:8] + spec.tokenizer.encode(" and the wind", add_special_tokens=False) + expected[11:]
+    junk = spec.tokenizer.encode("Lorem ipsum dolor sit amet, " * 4, add_special_tokens=False)
+
+    def steps(prediction, rid):
+        spec.engine.add_request(rid, ids, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, prediction=prediction))
+        n, final = 0, None
+        while spec.engine.has_unfinished():
+            n += 1
+            final = next((o for o in spec.engine.step() if o.finished), final)
+        assert final.outputs[0].token_ids == expected, rid
+        return n
+
+    plain, exact, after_edit, unrelated = (steps(p, f"pred-{i}") for i, p in enumerate((None, expected, edited, junk)))
+    assert exact <= 5 and after_edit <= 8 < plain, (plain, exact, after_edit, unrelated)
+    assert_drained(spec)
+
+
 def test_speculative_decoding_bfloat16_same_tokens(make_llm, prompt_ids):
     """bfloat16 with the compiled kernels: verifying k + 1 positions in one query gives the same
     greedy tokens as decoding them one by one."""

@@ -220,6 +220,29 @@ def test_beam_search(server: RemoteServer, client: openai.OpenAI, model: str) ->
     wait_until_idle(server)
 
 
+def test_predicted_outputs(server: RemoteServer, client: openai.OpenAI, model: str) -> None:
+    """OpenAI's `prediction`: the same reply with the prediction as text or as text parts, the
+    prediction's tokens drafted (the server's speculative counters move by more than the reply
+    needs without it); a prediction of another type is a 400."""
+    ask = [{"role": "user", "content": "Write two sentences about the sea."}]
+    plain = client.chat.completions.create(model=model, messages=ask, max_tokens=40, temperature=0)
+    text = plain.choices[0].message.content
+
+    def accepted() -> float:
+        return metric(scrape_metrics(server), "sluice:spec_decode_num_accepted_tokens_total")
+
+    before = accepted()
+    again = client.chat.completions.create(model=model, messages=ask, max_tokens=40, temperature=0,
+                                           prediction={"type": "content", "content": text})
+    assert again.choices[0].message.content == text
+    assert accepted() - before >= 0.6 * again.usage.completion_tokens   # most tokens came as accepted drafts
+    parts = client.chat.completions.create(model=model, messages=ask, max_tokens=40, temperature=0, prediction={
+        "type": "content", "content": [{"type": "text", "text": text[:20]}, {"type": "text", "text": text[20:]}]})
+    assert parts.choices[0].message.content == text
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model=model, messages=ask, max_tokens=4, prediction={"type": "file", "content": "x"})
+
+
 def test_completion_batch_of_prompts(client: openai.OpenAI, model: str) -> None:
     resp = client.completions.create(model=model, prompt=[PROMPT, "One, two,"], max_tokens=4, temperature=0)
     assert sorted(c.index for c in resp.choices) == [0, 1]

@@ -9,7 +9,7 @@ from sched_utils import EOS, TOKEN, assert_all_released, create_request, create_
 from sluice.cli import parse_speculative_config
 from sluice.config import SpeculativeConfig
 from sluice.engine.request import RequestStatus
-from sluice.engine.spec_decode import NgramIndex, accept
+from sluice.engine.spec_decode import NgramIndex, PredictedOutput, accept
 
 SPEC = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=2, prompt_lookup_max=3)
 
@@ -69,6 +69,26 @@ def test_index_grows_incrementally_and_agrees_with_a_scan():
                 expected = seq[len(toks):]
                 break
         assert got == expected, (toks, got, expected)
+
+
+def test_a_prediction_is_drafted_where_the_output_follows_it():
+    #                     0   1   2   3   4   5   6   7   8   9
+    pred = PredictedOutput([10, 11, 12, 13, 14, 15, 16, 17, 18, 19], 2, 3)
+    assert pred.propose([], 3) == [10, 11, 12]            # nothing out yet: the prediction's start
+    assert pred.propose([10, 11], 3) == [12, 13, 14]      # the output follows it
+    # the output departs (an edit: 99 for 12, 13) and rejoins: found again at (14, 15)
+    assert pred.propose([10, 11, 99], 3) == []            # lost, and no n-gram of it to find
+    assert pred.propose([10, 11, 99, 98, 14, 15], 3) == [16, 17, 18]
+    assert pred.propose([10, 11, 99, 98, 14, 15, 16, 17, 18, 19], 3) == []   # the prediction is used up
+
+
+def test_a_lost_prediction_is_found_again_ahead_of_where_it_was():
+    # (1, 2) occurs at 0 and at 4: once the output has passed 4, an output ending in (1, 2) realigns at 6
+    pred = PredictedOutput([1, 2, 7, 8, 1, 2, 5, 6, 1, 2, 3], 2, 2)
+    assert pred.propose([1, 2, 7, 8, 1, 2, 5], 2) == [6, 1]
+    assert pred.propose([1, 2, 7, 8, 1, 2, 5, 0, 1, 2], 3) == [3]    # at 10, not back at 2 or 6
+    fresh = PredictedOutput([1, 2, 7, 8, 1, 2, 5], 2, 2)
+    assert fresh.propose([9, 9, 1, 2], 2) == [7, 8]                  # from the start, the first one ahead
 
 
 def test_accept():

@@ -157,7 +157,7 @@ class LLMEngine:
         if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= self.vocab_size:
             raise RequestRejected(f"prompt token ids must be in [0, {self.vocab_size})", param="prompt")
         for name, ids in (("logit_bias", params.logit_bias or ()), ("allowed_token_ids", params.allowed_token_ids or ()),
-                          ("logprob_token_ids", params.logprob_token_ids or ())):
+                          ("logprob_token_ids", params.logprob_token_ids or ()), ("prediction", params.prediction or ())):
             if any(t >= self.vocab_size for t in ids):
                 raise RequestRejected(f"{name} token ids must be in [0, {self.vocab_size})", param=name)
         prompt_len = len(prompt_token_ids)

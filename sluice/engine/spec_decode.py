@@ -63,20 +63,73 @@ class NgramIndex:
         return []
 
 
+class PredictedOutput:
+    """OpenAI's predicted outputs: a client's guess at the reply (a file it expects back with a few
+    edits, say), drafted where the output follows it. The output is aligned with a position in
+    the prediction and the draft is what comes next there; where the output departs from it, the
+    alignment is found again at the first occurrence of the output's last n tokens (n from
+    prompt_lookup_max down to prompt_lookup_min) ahead of where it was lost, else at the last one
+    anywhere. Drafts are verified like any other, so the output is what it would be without."""
+
+    __slots__ = ("tokens", "pos", "last", "seen", "ends")
+
+    def __init__(self, tokens: Sequence[int], n_min: int, n_max: int) -> None:
+        self.tokens = list(tokens)
+        self.pos: int | None = 0   # prediction index aligned with the output's end; None: lost
+        self.last = 0              # where the alignment was last known
+        self.seen = 0              # output tokens taken into the alignment
+        self.ends: dict[int, dict[tuple[int, ...], list[int]]] = {n: {} for n in range(n_min, n_max + 1)}
+        for n, m in self.ends.items():   # n-gram -> positions right after each of its occurrences
+            for e in range(n, len(self.tokens) + 1):
+                m.setdefault(tuple(self.tokens[e - n:e]), []).append(e)
+
+    def propose(self, output: Sequence[int], k: int) -> list[int]:
+        for t in output[self.seen:]:
+            if self.pos is not None and self.pos < len(self.tokens) and self.tokens[self.pos] == t:
+                self.pos += 1
+                self.last = self.pos
+            else:
+                self.pos = None
+        self.seen = len(output)
+        if self.pos is None:
+            self.pos = self._resync(output)
+        if self.pos is None:
+            return []
+        return self.tokens[self.pos:self.pos + k]
+
+    def _resync(self, output: Sequence[int]) -> int | None:
+        for n in sorted(self.ends, reverse=True):
+            if len(output) < n:
+                continue
+            found = self.ends[n].get(tuple(output[len(output) - n:]))
+            if found:
+                return next((e for e in found if e >= self.last), found[-1])
+        return None
+
+
 class NgramProposer:
     def __init__(self, config: SpeculativeConfig) -> None:
         self.config = config
 
     def propose(self, req, max_k: int) -> list[int]:
-        """Drafts for a decoding request (its index lives on the request)."""
+        """Drafts for a decoding request (its index lives on the request): from the client's
+        predicted output where it has one and the output follows it, else by prompt lookup."""
         k = min(self.config.num_speculative_tokens, max_k)
         if k <= 0:
             return []
-        index = req.ngram_index
-        if index is None:
-            index = req.ngram_index = NgramIndex(self.config.prompt_lookup_min, self.config.prompt_lookup_max)
+        cfg = self.config
+        drafts: list[int] = []
+        if req.params.prediction:
+            if req.prediction is None:
+                req.prediction = PredictedOutput(req.params.prediction, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
+            drafts = req.prediction.propose(req.output_token_ids, k)
+        if not drafts:
+            index = req.ngram_index
+            if index is None:
+                index = req.ngram_index = NgramIndex(cfg.prompt_lookup_min, cfg.prompt_lookup_max)
+            drafts = index.propose(req.all_token_ids, k)
         # a thought's forced end drafted (verified at once); structured outputs: what the grammar allows
-        return req.shape_drafts(index.propose(req.all_token_ids, k), k)
+        return req.shape_drafts(drafts, k)
 
 
 def accept(drafts: Sequence[int], sampled: Sequence[int]) -> list[int]:

@@ -443,8 +443,21 @@ class ChatTemplateInput(OpenAIRequestModel):
         return messages
 
 
+class PredictionContent(OpenAIRequestModel):
+    """OpenAI's predicted output: text the reply is expected to repeat for the most part."""
+
+    type: Literal["content"]
+    content: Union[str, list[ContentPart]]
+
+    @property
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text or "" for p in self.content)
+
+
 class ChatCompletionRequest(SamplingRequest, ChatTemplateInput):
     max_completion_tokens: Optional[int] = documented(minimum=1)
+    # OpenAI's predicted outputs: with speculative decoding on, drafts copy it where the reply follows it.
+    prediction: Optional[PredictionContent] = None
     # vLLM's, for thinking models (`--reasoning-parser`): false leaves the reasoning out of the
     # reply; `reasoning_effort` goes to the chat template as that variable (GLM-5.x reads it).
     include_reasoning: Optional[bool] = True

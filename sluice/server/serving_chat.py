@@ -70,6 +70,12 @@ class OpenAIServingChat(OpenAIServing):
         prompt_ids = self.truncate_prompt(request, self.render_chat(request))
         self.check_prompt_ids(prompt_ids, "messages")
         params = self.sampling_params(request, len(prompt_ids), num_logprobs, prompt_param="messages")
+        if request.prediction is not None and request.prediction.text:
+            try:
+                params = dataclasses.replace(params, prediction=self.tokenizer.encode(
+                    request.prediction.text, add_special_tokens=False))
+            except ValueError as e:
+                raise APIError(400, str(e), param="prediction") from e
         if forced is not None:
             try:
                 params = dataclasses.replace(params, structured_outputs=forced)
