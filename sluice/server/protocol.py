@@ -273,13 +273,12 @@ class SamplingRequest(OpenAIRequestModel):
                 raise ValueError("response_format and structured_outputs cannot be combined")
             if fmt.type == "json_object":
                 return StructuredOutputsParams(json_object=True)
-            if fmt.type == "structural_tag":
+            if fmt.type == "structural_tag":   # StructuredOutputsParams checks it (and refuses "format")
+                tag = {"structures": fmt.structures, "triggers": fmt.triggers}
                 if fmt.format is not None:
-                    raise ParamError('response_format: the structural_tag form with "format" (xgrammar\'s) is not '
-                                     'supported; give "structures" and "triggers"', "response_format")
+                    tag["format"] = fmt.format
                 try:
-                    return StructuredOutputsParams(structural_tag=json.dumps(
-                        {"structures": fmt.structures, "triggers": fmt.triggers}))
+                    return StructuredOutputsParams(structural_tag=json.dumps(tag))
                 except ValueError as e:
                     raise ParamError(str(e), "response_format") from e
             if fmt.json_schema is None or fmt.json_schema.schema_ is None:
