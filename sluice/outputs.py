@@ -24,6 +24,10 @@ class CompletionOutput:
     stop_reason: Optional[int | str] = None
     text_delta: str = ""               # text added since the previous output of this sample
     num_new_tokens: int = 0            # token ids added since the previous output of this sample
+    # With a predicted output (SamplingParams.prediction): its tokens accepted as drafts, and the
+    # rest of its tokens (OpenAI's usage.completion_tokens_details); None without one.
+    accepted_prediction_tokens: Optional[int] = None
+    rejected_prediction_tokens: Optional[int] = None
 
     @property
     def finished(self) -> bool:

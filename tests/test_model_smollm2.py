@@ -697,7 +697,13 @@ def test_a_predicted_output_changes_the_steps_not_the_tokens(make_llm, ref, prom
         while spec.engine.has_unfinished():
             n += 1
             final = next((o for o in spec.engine.step() if o.finished), final)
-        assert final.outputs[0].token_ids == expected, rid
+        out = final.outputs[0]
+        assert out.token_ids == expected, rid
+        if prediction is None:
+            assert out.accepted_prediction_tokens is None
+        else:
+            assert out.accepted_prediction_tokens + out.rejected_prediction_tokens == len(prediction)
+            assert out.accepted_prediction_tokens >= (len(expected) - 6 if prediction is expected else 0)
         return n
 
     plain, exact, after_edit, unrelated = (steps(p, f"pred-{i}") for i, p in enumerate((None, expected, edited, junk)))

@@ -236,6 +236,16 @@ def test_predicted_outputs(server: RemoteServer, client: openai.OpenAI, model: s
                                            prediction={"type": "content", "content": text})
     assert again.choices[0].message.content == text
     assert accepted() - before >= 0.6 * again.usage.completion_tokens   # most tokens came as accepted drafts
+    details = again.usage.completion_tokens_details   # OpenAI's: the prediction's tokens accepted, and the rest
+    predicted = len(httpx.post(server.url + "/tokenize", json={"model": model, "prompt": text,
+                                                                "add_special_tokens": False}).json()["tokens"])
+    assert details.accepted_prediction_tokens >= 0.6 * again.usage.completion_tokens
+    assert details.accepted_prediction_tokens + details.rejected_prediction_tokens == predicted
+    assert plain.usage.completion_tokens_details is None                   # no prediction, no details
+    streamed = list(client.chat.completions.create(model=model, messages=ask, max_tokens=40, temperature=0, stream=True,
+                                                   stream_options={"include_usage": True},
+                                                   prediction={"type": "content", "content": text}))
+    assert streamed[-1].usage.completion_tokens_details == details
     parts = client.chat.completions.create(model=model, messages=ask, max_tokens=40, temperature=0, prediction={
         "type": "content", "content": [{"type": "text", "text": text[:20]}, {"type": "text", "text": text[20:]}]})
     assert parts.choices[0].message.content == text

@@ -503,6 +503,7 @@ class LLMEngine:
 
     def _make_output(self, group: _Group) -> RequestOutput:
         outs = []
+        predicted = len(group.samples[0].req.params.prediction or ())
         for i, s in enumerate(group.samples):
             outs.append(CompletionOutput(
                 index=i,
@@ -514,6 +515,8 @@ class LLMEngine:
                 stop_reason=s.stop_reason,
                 text_delta=s.delta_text,
                 num_new_tokens=s.delta_tokens,
+                accepted_prediction_tokens=s.req.prediction_accepted if predicted else None,
+                rejected_prediction_tokens=max(0, predicted - s.req.prediction_accepted) if predicted else None,
             ))
             s.delta_text, s.delta_tokens = "", 0
         finished = all(s.finish_reason is not None for s in group.samples)

@@ -103,6 +103,8 @@ class Request:
         self.error: Optional[str] = None
         self.ngram_index = None                # speculative decoding's n-gram index (spec_decode.py)
         self.prediction = None                 # params.prediction's drafting state (spec_decode.py)
+        self.drafted_from_prediction = False   # the current drafts are params.prediction's
+        self.prediction_accepted = 0           # its tokens accepted as drafts
         self.spec_acceptance = 1.0             # moving average of its drafts' acceptance rate
         self.draft_len: Optional[int] = None   # drafts it may take next (adaptive prompt lookup; scheduler.py)
         self.num_new_tokens = 0                # tokens appended by the latest step

@@ -659,6 +659,8 @@ class Scheduler:
                 self.spec_drafts_total += 1
                 self.spec_draft_tokens_total += len(drafts)
                 self.spec_accepted_tokens_total += len(toks) - 1
+                if req.drafted_from_prediction:
+                    req.prediction_accepted += len(toks) - 1
                 rate = (len(toks) - 1) / len(drafts)
                 req.spec_acceptance = 0.7 * req.spec_acceptance + 0.3 * rate
                 if self.spec_config.adaptive:

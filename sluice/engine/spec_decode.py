@@ -123,6 +123,7 @@ class NgramProposer:
             if req.prediction is None:
                 req.prediction = PredictedOutput(req.params.prediction, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
             drafts = req.prediction.propose(req.output_token_ids, k)
+        req.drafted_from_prediction = bool(drafts)
         if not drafts:
             index = req.ngram_index
             if index is None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import Any, Literal, Optional, Union
+from typing import Any, Iterable, Literal, Optional, Union
 
 from pydantic import (
     BaseModel,
@@ -601,19 +601,45 @@ class PromptTokensDetails(BaseModel):
     cached_tokens: int = 0
 
 
+class CompletionTokensDetails(BaseModel):
+    """OpenAI's, for a call with a predicted output: its tokens accepted as drafts, and the rest."""
+
+    accepted_prediction_tokens: int = 0
+    rejected_prediction_tokens: int = 0
+
+    @classmethod
+    def of(cls, samples: Iterable[Any]) -> Optional["CompletionTokensDetails"]:
+        """Summed over the choices' latest outputs; None where the call had no prediction."""
+        with_prediction = [s for s in samples if s.accepted_prediction_tokens is not None]
+        if not with_prediction:
+            return None
+        return cls(accepted_prediction_tokens=sum(s.accepted_prediction_tokens for s in with_prediction),
+                   rejected_prediction_tokens=sum(s.rejected_prediction_tokens for s in with_prediction))
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
     prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
+    completion_tokens_details: Optional[CompletionTokensDetails] = None   # left out when None
+
+    @model_serializer(mode="wrap")
+    def _drop_empty_details(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        out = handler(self)
+        if out.get("completion_tokens_details") is None:
+            out.pop("completion_tokens_details", None)
+        return out
 
     @classmethod
-    def of(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> "UsageInfo":
+    def of(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int,
+           details: Optional[CompletionTokensDetails] = None) -> "UsageInfo":
         return cls(
             prompt_tokens=prompt_tokens,
             completion_tokens=completion_tokens,
             total_tokens=prompt_tokens + completion_tokens,
             prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens),
+            completion_tokens_details=details,
         )
 
 

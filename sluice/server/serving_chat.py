@@ -20,6 +20,7 @@ from sluice.server.protocol import (
     ChatLogprobs,
     ChatResponseMessage,
     ChatTokenLogprob,
+    CompletionTokensDetails,
     DeltaMessage,
     DeltaFunctionCall,
     DeltaToolCall,
@@ -240,7 +241,7 @@ class OpenAIServingChat(OpenAIServing):
             id=request_id,
             model=self.model_name,
             choices=choices,
-            usage=UsageInfo.of(len(prompt_ids), completion_tokens, cached_tokens),
+            usage=UsageInfo.of(len(prompt_ids), completion_tokens, cached_tokens, CompletionTokensDetails.of(latest.values())),
             prompt_logprobs=prompt_logprobs,
             prompt_token_ids=list(prompt_ids) if ids else None,
             prompt_text=self.prompt_text(request, prompt_ids),
@@ -267,7 +268,8 @@ class OpenAIServingChat(OpenAIServing):
         continuous = request.continuous_usage
 
         def usage_so_far() -> UsageInfo:
-            return UsageInfo.of(prompt_len, sum(len(s.token_ids) for s in latest.values()), cached_tokens)
+            return UsageInfo.of(prompt_len, sum(len(s.token_ids) for s in latest.values()), cached_tokens,
+                                CompletionTokensDetails.of(latest.values()))
 
         def chunk(choices: list[ChatCompletionStreamChoice], usage: Optional[UsageInfo] = None,
                   first: bool = False) -> str:
