@@ -20,10 +20,10 @@ def entry(**probs: float) -> dict[int, Logprob]:
     return {int(name[1:]): Logprob(int(name[1:]), math.log(p), rank) for rank, (name, p) in enumerate(ranked, start=1)}
 
 
-def search(width: int = 2, max_tokens: int = 3, **kw) -> BeamSearch:
-    kw.setdefault("eos_token_ids", (EOS,))
-    kw.setdefault("end_token_ids", kw["eos_token_ids"])
-    return BeamSearch(prompt_len=kw.pop("prompt_len", 4), width=width, max_tokens=max_tokens, **kw)
+def search(width: int = 2, max_tokens: int = 3, prompt_len: int = 4, **params) -> BeamSearch:
+    """A search over a 4-token prompt with EOS 0; `params`: the request's other SamplingParams."""
+    return BeamSearch(prompt_len, SamplingParams(n=width, use_beam_search=True, max_tokens=max_tokens, **params),
+                      max_tokens, (EOS,))
 
 
 def test_each_step_keeps_the_width_best_candidates_over_all_beams():
@@ -54,7 +54,7 @@ def test_an_end_token_finishes_a_beam_and_does_not_take_a_live_slot():
 
 
 def test_ignore_eos_makes_eos_an_ordinary_candidate_and_stop_token_ids_still_end():
-    s = search(width=2, ignore_eos=True, end_token_ids=(EOS, 7))
+    s = search(width=2, ignore_eos=True, stop_token_ids=[7])
     s.advance([entry(t0=0.6, t7=0.3, t6=0.1)])
     assert [b.token_ids for b in s.beams] == [[0], [6]]
     assert [(b.token_ids, b.stop_reason) for b in s.finished] == [([], 7)]
@@ -85,7 +85,7 @@ def test_the_output_ranks_by_logprob_over_the_length_with_the_prompt():
 
 
 def test_a_kept_end_token_is_not_counted_in_the_length():
-    s = search(width=1, max_tokens=1, keep_end_token=True)
+    s = search(width=1, max_tokens=1, include_stop_str_in_output=True)
     s.advance([entry(t0=0.5, t5=0.5)])
     done = s.finished[0]
     assert done.token_ids == [EOS] and done.ended_by_token

@@ -17,9 +17,10 @@ and ties go to the earlier beam, then to the likelier token.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Sequence
 
 from sluice.outputs import Logprob
+from sluice.sampling_params import SamplingParams
 
 
 @dataclass
@@ -33,19 +34,19 @@ class Beam:
 
 
 class BeamSearch:
-    def __init__(self, prompt_len: int, width: int, max_tokens: int, end_token_ids: tuple[int, ...],
-                 eos_token_ids: tuple[int, ...], ignore_eos: bool = False, min_tokens: int = 0,
-                 length_penalty: float = 1.0, keep_end_token: bool = False) -> None:
+    def __init__(self, prompt_len: int, params: SamplingParams, max_tokens: int, eos_token_ids: Sequence[int]) -> None:
+        """`params`: the request's (`n` the width; `min_tokens`, `ignore_eos`, `stop_token_ids`,
+        `length_penalty`, `include_stop_str_in_output`); `max_tokens` resolved against the context."""
         self.prompt_len = prompt_len
-        self.width = width
+        self.width = params.n
         self.max_tokens = max_tokens
-        # An end token finishes a beam: EOS unless ignore_eos (then it is an ordinary candidate),
-        # and `stop_token_ids` always, as in sampling.
-        self.end_token_ids = frozenset(t for t in end_token_ids if not (ignore_eos and t in eos_token_ids))
-        self.eos_token_ids = frozenset(eos_token_ids)
-        self.min_tokens = min_tokens
-        self.length_penalty = length_penalty
-        self.keep_end_token = keep_end_token   # include_stop_str_in_output
+        # An end token finishes a beam, the tokens that stop sampling (Request.check_stop):
+        # `stop_token_ids` always, EOS unless ignore_eos (then it is an ordinary candidate).
+        self.eos_ends = frozenset() if params.ignore_eos else frozenset(eos_token_ids)
+        self.end_token_ids = frozenset(params.stop_token_ids) | self.eos_ends
+        self.min_tokens = params.min_tokens
+        self.length_penalty = params.length_penalty
+        self.keep_end_token = params.include_stop_str_in_output
         self.beams: list[Beam] = [Beam([])]
         self.finished: list[Beam] = []
         self.steps = 0
@@ -73,7 +74,7 @@ class BeamSearch:
                     if may_end:
                         kept = beam.token_ids + [token] if self.keep_end_token else list(beam.token_ids)
                         self.finished.append(Beam(kept, score, beam.logprobs + [entry], "stop",
-                                                  None if token in self.eos_token_ids else token,
+                                                  None if token in self.eos_ends else token,
                                                   ended_by_token=self.keep_end_token))
                     continue
                 candidates.append((score, b, rank, token))

@@ -229,10 +229,7 @@ class LLMEngine:
     def _add_beam_search(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                          max_tokens: int, workflow: Optional[WorkflowInfo], arrival_time: Optional[float]) -> None:
         workflow = workflow or WorkflowInfo()
-        width = params.n
-        search = BeamSearch(len(prompt_token_ids), width, max_tokens, self.eos_token_ids + tuple(params.stop_token_ids),
-                            self.eos_token_ids, params.ignore_eos, params.min_tokens, params.length_penalty,
-                            params.include_stop_str_in_output)
+        search = BeamSearch(len(prompt_token_ids), params, max_tokens, self.eos_token_ids)
         step_params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True,
                                      logprobs=max(search.num_candidates, params.logprobs or 0),
                                      cache_salt=params.cache_salt, priority=params.priority,

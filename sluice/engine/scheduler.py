@@ -292,7 +292,6 @@ class Scheduler:
                 f"{self.pool.num_blocks * self.block_size}", status_code=400, code="context_length_exceeded")
 
     def add_request(self, req: Request) -> None:
-        now = self.clock()
         self.requests[req.request_id] = req
         if not req.part_of_call:
             req.opens_workflow = self.open_call(req.workflow_id)
@@ -304,15 +303,15 @@ class Scheduler:
         return self.workflows.on_call_arrival(workflow_id, self.clock()).calls == 1
 
     def close_call(self, workflow_id: str, named: bool, is_last_step: bool) -> None:
-        """A call run as `part_of_call` requests ended (they retained nothing: the prefix cache
-        holds their full blocks)."""
+        """A call of the workflow ended (its KV already retained or freed): the client's last step
+        ends the workflow's retention, and an anonymous call's workflow is forgotten."""
         if named and is_last_step:
             wf = self.workflows.workflows.get(workflow_id)
             if wf is not None:
                 self.workflows.release(wf)
         self.workflows.on_call_finished(workflow_id, self.clock())
         if not named:
-            self.workflows.forget_if_idle(workflow_id)
+            self.workflows.forget_if_idle(workflow_id)   # an anonymous call is its own workflow
 
     def abort_request(self, request_id: str) -> Optional[Request]:
         req = self.requests.get(request_id)
@@ -710,11 +709,7 @@ class Scheduler:
         req.status = status
         if self.states is not None:
             self._release_state(req)
-        if req.part_of_call:   # the call's own end is close_call's
-            self.kv.free(req)
-            self.requests.pop(req.request_id, None)
-            return
-        retain = req.has_named_workflow and not req.is_last_step and status.completed
+        retain = req.has_named_workflow and not req.is_last_step and status.completed and not req.part_of_call
         if retain and req.num_cached_blocks > 0:
             blocks = self.kv.take_blocks(req)
             full = self._cached_prefix_len(blocks)
@@ -728,15 +723,10 @@ class Scheduler:
             self.workflows.retain(req.workflow_id, keep, full * self.block_size + len(tail), now, tail)
         else:
             self.kv.free(req)
-            if req.has_named_workflow and req.is_last_step:
-                wf = self.workflows.workflows.get(req.workflow_id)
-                if wf is not None:
-                    self.workflows.release(wf)
-        self.workflows.on_call_finished(req.workflow_id, now)
-        if status.completed:
-            self._observe_call_size(req)
-        if not req.has_named_workflow:
-            self.workflows.forget_if_idle(req.workflow_id)  # an anonymous call is its own workflow
+        if not req.part_of_call:   # a call run as several requests ends with the engine's close_call
+            if status.completed:
+                self._observe_call_size(req)
+            self.close_call(req.workflow_id, req.has_named_workflow, req.is_last_step)
         self.requests.pop(req.request_id, None)
 
     @staticmethod
